@@ -1,0 +1,366 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Standalone remote draft server (DSpark / DFlash) for speculative decoding.
+
+    python -m vllm.entrypoints.k3_dspark_standalone --engine production \\
+        --draft-model /ckpt/draft --target-model /ckpt/target \\
+        --address tcp://10.0.0.5:5555 --curve-secret-key server.key_secret \\
+        --curve-authorized-keys clients/ --enable-cuda-graph
+
+Start-up order: the HTTP status server (``/healthz`` answers at once), then the
+engine's memory plan is checked against the device (KV, worst-case prefix
+cache, weights, staging), the model is loaded, CUDA graphs are captured and
+the free device memory left is checked; only then does the RPC socket bind and
+``/readyz`` turn 200. Every CLI value is validated at parse time. A transport
+failure after start-up stops the process with the error (exit status 1);
+SIGTERM/SIGINT stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from vllm.entrypoints.k3_dspark_rpc import RpcTransport
+from vllm.k3_draft.engine import (
+    DraftEngine,
+    DraftLimits,
+    GiB,
+    available_memory,
+)
+from vllm.k3_draft.log import configure_process_logging, init_logger
+from vllm.k3_draft.protocol import load_capability_plugins
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.security import BindRefused, CurveConfig, check_bind, warn_if_unsafe
+from vllm.k3_draft.server import DraftServer
+from vllm.k3_draft.status import StatusServer, StatusState
+
+logger = init_logger(__name__)
+
+_REFERENCE_ONLY = (
+    "method",
+    "vocab_size",
+    "context_width",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "seed",
+)
+_PRODUCTION_ONLY = ("draft_model", "target_model")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range 1-65535")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def _existing_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return text
+
+
+def _existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    return text
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device type {device.type} unsupported")
+    return device
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm.entrypoints.k3_dspark_standalone",
+        description=__doc__.split("\n\n")[0],
+    )
+    net = parser.add_argument_group("transport and status")
+    net.add_argument(
+        "--address",
+        default="tcp://127.0.0.1:5555",
+        help="ZeroMQ bind address of the RPC socket (ipc://, inproc:// or tcp://)",
+    )
+    net.add_argument("--status-host", default="127.0.0.1")
+    net.add_argument("--status-port", type=_port, default=8101)
+    net.add_argument(
+        "--curve-secret-key",
+        type=_existing_file,
+        help="certificate file with the server's CURVE key pair",
+    )
+    net.add_argument(
+        "--curve-authorized-keys",
+        type=_existing_dir,
+        help="directory of authorized client public certificates",
+    )
+    net.add_argument(
+        "--allow-unsafe-remote-rpc",
+        action="store_true",
+        help="allow a non-loopback bind without CURVE (warned at every start)",
+    )
+
+    limits = parser.add_argument_group("server bounds")
+    limits.add_argument(
+        "--max-requests",
+        type=_positive_int,
+        default=256,
+        help="retained requests (KV slots)",
+    )
+    limits.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=64,
+        help="most requests in one PROPOSE (batch size)",
+    )
+    limits.add_argument("--max-speculative-tokens", type=_positive_int, default=8)
+    limits.add_argument(
+        "--max-context-tokens",
+        type=_positive_int,
+        default=8192,
+        help="most context rows in one PROPOSE",
+    )
+    limits.add_argument("--max-model-len", type=_positive_int, default=131072)
+    limits.add_argument("--block-size", type=_positive_int, default=16)
+    limits.add_argument(
+        "--window-size",
+        type=_positive_int,
+        default=2048,
+        help="draft attention window, a multiple of the block size",
+    )
+    limits.add_argument(
+        "--prefix-cache-tokens",
+        type=_positive_int,
+        help="projected-context rows cached per request (default: 2 x window)",
+    )
+
+    device = parser.add_argument_group("engine and device")
+    device.add_argument(
+        "--engine", choices=("reference", "production"), default="production"
+    )
+    device.add_argument("--device", type=_device, default=torch.device("cuda"))
+    device.add_argument("--enable-cuda-graph", action="store_true")
+    device.add_argument(
+        "--memory-limit-gib",
+        type=_positive_float,
+        help="device memory the server may use (default: free memory at start)",
+    )
+    device.add_argument(
+        "--min-free-memory-gib",
+        type=_positive_float,
+        default=1.0,
+        help="free device memory required after CUDA graph capture",
+    )
+
+    prod = parser.add_argument_group("production engine")
+    prod.add_argument(
+        "--draft-model",
+        type=_existing_dir,
+        help="DFlash/DSpark draft checkpoint directory",
+    )
+    prod.add_argument(
+        "--target-model",
+        type=_existing_dir,
+        help="target checkpoint (embedding and LM head)",
+    )
+
+    ref = parser.add_argument_group("reference engine (tests, qualification)")
+    ref.add_argument("--method", choices=("dflash", "dspark"))
+    ref.add_argument("--vocab-size", type=_positive_int)
+    ref.add_argument("--context-width", type=_positive_int)
+    ref.add_argument("--hidden-size", type=_positive_int)
+    ref.add_argument("--num-layers", type=_positive_int)
+    ref.add_argument("--num-heads", type=_positive_int)
+    ref.add_argument("--seed", type=_non_negative_int)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; any invalid value is a usage error (exit 2)."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.prefix_cache_tokens is None:
+        args.prefix_cache_tokens = 2 * args.window_size
+    try:
+        args.limits = DraftLimits(
+            max_requests=args.max_requests,
+            max_batch_size=args.max_num_seqs,
+            max_speculative_tokens=args.max_speculative_tokens,
+            max_context_tokens=args.max_context_tokens,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            window_size=args.window_size,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if (args.curve_secret_key is None) != (args.curve_authorized_keys is None):
+        parser.error("--curve-secret-key and --curve-authorized-keys go together")
+    args.curve = None
+    if args.curve_secret_key is not None:
+        args.curve = CurveConfig(args.curve_secret_key, args.curve_authorized_keys)
+        try:
+            args.curve.check()
+        except ValueError as exc:
+            parser.error(str(exc))
+    try:
+        check_bind(args.address, args.curve, args.allow_unsafe_remote_rpc)
+    except BindRefused as exc:
+        parser.error(str(exc))
+    if args.enable_cuda_graph and args.device.type != "cuda":
+        parser.error("--enable-cuda-graph needs a CUDA --device")
+    unused = _REFERENCE_ONLY if args.engine == "production" else _PRODUCTION_ONLY
+    given = [name for name in unused if getattr(args, name) is not None]
+    if given:
+        parser.error(
+            f"--engine {args.engine} does not use "
+            + ", ".join("--" + name.replace("_", "-") for name in given)
+        )
+    if args.engine == "reference":
+        defaults = ReferenceModelConfig()
+        try:
+            args.reference = ReferenceModelConfig(
+                **{
+                    name: getattr(defaults, name)
+                    if getattr(args, name) is None
+                    else getattr(args, name)
+                    for name in _REFERENCE_ONLY
+                }
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+    elif args.draft_model is None or args.target_model is None:
+        parser.error("--engine production needs --draft-model and --target-model")
+    return args
+
+
+def build_engine(args: argparse.Namespace) -> DraftEngine:
+    if args.engine == "reference":
+        return ReferenceEngine(
+            args.limits, args.reference, args.device, args.enable_cuda_graph
+        )
+    from vllm.k3_draft.production_engine import ProductionEngine
+
+    return ProductionEngine.from_checkpoints(
+        args.limits,
+        args.draft_model,
+        args.target_model,
+        args.device,
+        args.enable_cuda_graph,
+    )
+
+
+def check_memory_plan(engine: DraftEngine, limit_gib: float | None) -> None:
+    """Refuse, before allocating, a configuration that cannot fit."""
+    plan = engine.memory_plan()
+    limit = (
+        int(limit_gib * GiB)
+        if limit_gib is not None
+        else available_memory(engine.device)
+    )
+    logger.info("Draft memory plan: %s", plan.describe())
+    if plan.total > limit:
+        raise MemoryError(
+            f"the configuration needs {plan.describe()}, more than the "
+            f"{limit / GiB:.3f} GiB available on {engine.device}"
+        )
+
+
+def check_free_after_capture(device: torch.device, min_free_gib: float) -> None:
+    if device.type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0]
+    if free < min_free_gib * GiB:
+        raise MemoryError(
+            f"only {free / GiB:.3f} GiB free on {device} after CUDA graph "
+            f"capture, below --min-free-memory-gib {min_free_gib}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    state = StatusState()
+    status = StatusServer(state, args.status_host, args.status_port)
+    status.start()
+    warn_if_unsafe(args.address, args.curve)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        engine = build_engine(args)
+        check_memory_plan(engine, args.memory_limit_gib)
+        engine.load()
+        shapes = engine.capture_cuda_graphs()
+        check_free_after_capture(engine.device, args.min_free_memory_gib)
+        load_capability_plugins()
+        server = DraftServer(engine, shapes)
+    except MemoryError as exc:
+        logger.error("Refusing to serve: %s", exc)
+        status.stop()
+        return 1
+    state.server = server
+    transport = RpcTransport(
+        server, args.address, args.curve, args.allow_unsafe_remote_rpc
+    )
+    try:
+        transport.bind()
+        transport.serve(stop, lambda: state.set_ready(True))
+    except Exception:
+        state.set_ready(False)
+        state.phase = "failed"
+        logger.exception("Draft RPC transport failed; stopping")
+        return 1
+    finally:
+        transport.close()
+        status.stop()
+    logger.info("Draft server stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_process_logging()
+    sys.exit(run(args))
+
+
+if __name__ == "__main__":
+    main()

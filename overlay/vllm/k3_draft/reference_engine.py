@@ -1,0 +1,389 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A small DFlash-shaped draft in plain torch (CPU and any CUDA GPU).
+
+Same interface and data flow as the production engine: the target's aux
+context rows are combined (``fc``) into the draft's hidden size, cached, and
+turned into per-layer K/V in the request's slot blocks; the query block
+``[anchor, mask x K]`` (DFlash, K+1 rows) or ``[anchor, mask x (K-1)]``
+(DSpark, K rows, followed by a sequential low-rank Markov head) attends
+non-causally to the last ``window`` context positions and to itself. Weights
+are random but deterministic given the seed. Float32 on CPU, bf16 on CUDA.
+With CUDA graphs, the query pass of every (batch bucket, depth) shape is
+captured; context K/V is always written eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm.k3_draft.context_cache import ContextCache
+from vllm.k3_draft.engine import (
+    DraftEngine,
+    DraftLimits,
+    EngineSpec,
+    MemoryPlan,
+    ProposeBatch,
+    ProposeOutput,
+    StepTimer,
+    graph_batch_sizes,
+    padded_batch_size,
+    plan_context,
+)
+from vllm.k3_draft.log import init_logger
+
+logger = init_logger(__name__)
+
+_ROPE_THETA = 10000.0
+_RMS_EPS = 1e-6
+# Valid-start of padding rows: no context position is attended.
+_NO_CONTEXT = 1 << 62
+
+
+@dataclass(frozen=True)
+class ReferenceModelConfig:
+    """Shape of the reference draft; ``mask_token_id`` is the last vocab id."""
+
+    method: str = "dflash"
+    vocab_size: int = 1024
+    context_width: int = 192
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    markov_rank: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("dflash", "dspark"):
+            raise ValueError(f"unknown draft method {self.method!r}")
+        for name in ("vocab_size", "context_width", "hidden_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.num_heads <= 0 or self.hidden_size % (2 * self.num_heads):
+            raise ValueError("hidden_size must be a multiple of 2 * num_heads")
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.vocab_size - 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, v, layers = self.hidden_size, self.vocab_size, self.num_layers
+        shapes: dict[str, tuple[int, ...]] = {
+            "embed": (v, h),
+            "fc": (h, self.context_width),
+            "hidden_norm": (h,),
+            "final_norm": (h,),
+            "lm_head": (v, h),
+            "markov_w1": (v, self.markov_rank),
+            "markov_w2": (v, self.markov_rank),
+        }
+        for name, shape in (
+            ("wq", (h, h)),
+            ("wk", (h, h)),
+            ("wv", (h, h)),
+            ("wo", (h, h)),
+            ("w_gate", (2 * h, h)),
+            ("w_up", (2 * h, h)),
+            ("w_down", (h, 2 * h)),
+            ("q_norm", (self.head_dim,)),
+            ("k_norm", (self.head_dim,)),
+            ("input_norm", (h,)),
+            ("post_norm", (h,)),
+        ):
+            shapes[name] = (layers, *shape)
+        return shapes
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + _RMS_EPS)).to(x.dtype) * weight
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Neox rotary embedding of ``x`` ``[..., heads, head_dim]`` at
+    ``positions`` ``[...]``."""
+    half = x.shape[-1] // 2
+    inv_freq = _ROPE_THETA ** (
+        -torch.arange(half, device=x.device, dtype=torch.float32) / half
+    )
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    cos = angles.cos().unsqueeze(-2).to(x.dtype)
+    sin = angles.sin().unsqueeze(-2).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class ReferenceEngine(DraftEngine):
+    """The reference draft engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        limits: DraftLimits,
+        model: ReferenceModelConfig,
+        device: torch.device,
+        enable_cuda_graph: bool = False,
+    ) -> None:
+        if enable_cuda_graph and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.limits = limits
+        self.model = model
+        self.device = device
+        self.enable_cuda_graph = enable_cuda_graph
+        self.geometry = limits.geometry
+        self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.spec = EngineSpec(
+            method=model.method,
+            vocab_size=model.vocab_size,
+            context_width=model.context_width,
+            hidden_size=model.hidden_size,
+            supports_logits=True,
+            query_kv_overhang=0,
+        )
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]]
+        self._graphs = {}
+        self._graph_sizes = graph_batch_sizes(limits.max_batch_size)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def memory_plan(self) -> MemoryPlan:
+        itemsize = self.dtype.itemsize
+        limits, model = self.limits, self.model
+        kv = (
+            model.num_layers * 2 * self.geometry.num_blocks * limits.block_size
+        ) * model.hidden_size
+        weights = sum(
+            torch.Size(shape).numel() for shape in model.weight_shapes().values()
+        )
+        logits = (
+            limits.max_batch_size * limits.max_speculative_tokens * model.vocab_size
+        )
+        staging = limits.max_context_tokens * (model.context_width * 2 + 8)
+        return MemoryPlan(
+            kv_bytes=kv * itemsize,
+            prefix_cache_bytes=ContextCache.bytes_needed(
+                limits.max_requests,
+                limits.prefix_cache_tokens,
+                model.hidden_size,
+                self.dtype,
+            ),
+            weight_bytes=weights * itemsize,
+            staging_bytes=staging + logits * itemsize,
+        )
+
+    def load(self) -> None:
+        model, limits = self.model, self.limits
+        generator = torch.Generator().manual_seed(model.seed)
+        self.w: dict[str, torch.Tensor] = {}
+        for name, shape in model.weight_shapes().items():
+            if "norm" in name:
+                value = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+            else:
+                value = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+            self.w[name] = value.to(device=self.device, dtype=self.dtype)
+        # [layer, K/V, flat cache position, head, dim]; layout: kv_slots.
+        self.kv = torch.zeros(
+            model.num_layers,
+            2,
+            self.geometry.num_blocks * limits.block_size,
+            model.num_heads,
+            model.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.cache = ContextCache(
+            limits.max_requests,
+            limits.prefix_cache_tokens,
+            model.hidden_size,
+            self.dtype,
+            self.device,
+        )
+        pin = self.device.type == "cuda"
+        # Query inputs: anchor ids, anchor positions, slots, valid starts.
+        self._host_query = torch.zeros(
+            4, limits.max_batch_size, dtype=torch.int64, pin_memory=pin
+        )
+        self._query_in = torch.zeros(
+            4, limits.max_batch_size, dtype=torch.int64, device=self.device
+        )
+        if pin:
+            self._host_rows = torch.empty(
+                limits.max_context_tokens,
+                model.context_width,
+                dtype=torch.bfloat16,
+                pin_memory=True,
+            )
+
+    def capture_cuda_graphs(self) -> list[tuple[int, int]]:
+        if not self.enable_cuda_graph:
+            return []
+        pool = torch.cuda.graph_pool_handle()
+        shapes = [
+            (batch, depth)
+            for batch in reversed(self._graph_sizes)
+            for depth in range(self.limits.max_speculative_tokens, 0, -1)
+        ]
+        self._query_in[3].fill_(_NO_CONTEXT)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for batch, depth in shapes:
+                self._query(batch, depth)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for batch, depth in shapes:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._query(batch, depth)
+            self._graphs[(batch, depth)] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        logger.info("Captured %d reference draft CUDA graphs", len(shapes))
+        return sorted(self._graphs)
+
+    # ------------------------------------------------------------- compute
+
+    def _combine(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(self.dtype) @ self.w["fc"].T
+
+    def _write_kv(
+        self, combined: torch.Tensor, positions: torch.Tensor, index: torch.Tensor
+    ) -> None:
+        """Context K/V of ``combined`` rows at ``positions`` into flat cache
+        ``index`` for every layer."""
+        model, w = self.model, self.w
+        x = _rms_norm(combined, w["hidden_norm"])
+        shape = (x.shape[0], model.num_heads, model.head_dim)
+        for layer in range(model.num_layers):
+            k = _rms_norm((x @ w["wk"][layer].T).view(shape), w["k_norm"][layer])
+            v = (x @ w["wv"][layer].T).view(shape)
+            self.kv[layer, 0].index_copy_(0, index, _rope(k, positions))
+            self.kv[layer, 1].index_copy_(0, index, v)
+
+    def _query(self, batch: int, depth: int) -> torch.Tensor:
+        """Draft logits ``[batch, depth, V]`` from the query inputs' first
+        ``batch`` rows (fixed shapes: capturable)."""
+        model, w, window = self.model, self.w, self.limits.window_size
+        anchors, anchor_pos, slots, starts = self._query_in[:, :batch]
+        dflash = model.method == "dflash"
+        rows = depth + 1 if dflash else depth
+        offsets = torch.arange(rows, device=self.device)
+        ids = torch.full(
+            (batch, rows), model.mask_token_id, dtype=torch.int64, device=self.device
+        )
+        ids[:, 0] = anchors
+        positions = anchor_pos[:, None] + offsets
+        ctx_pos = (
+            anchor_pos[:, None] - window + torch.arange(window, device=self.device)
+        )
+        attend = torch.cat(
+            (ctx_pos >= starts[:, None], torch.ones_like(ids, dtype=torch.bool)), 1
+        )[:, None, None, :]
+        ctx_index = self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0))
+        shape = (batch, rows, model.num_heads, model.head_dim)
+        x = w["embed"][ids]
+        for layer in range(model.num_layers):
+            h = _rms_norm(x, w["input_norm"][layer])
+            q = _rms_norm((h @ w["wq"][layer].T).view(shape), w["q_norm"][layer])
+            k = _rms_norm((h @ w["wk"][layer].T).view(shape), w["k_norm"][layer])
+            v = (h @ w["wv"][layer].T).view(shape)
+            q, k = _rope(q, positions), _rope(k, positions)
+            keys = torch.cat((self.kv[layer, 0][ctx_index], k), 1)
+            values = torch.cat((self.kv[layer, 1][ctx_index], v), 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=attend,
+            )
+            x = x + out.transpose(1, 2).reshape(x.shape) @ w["wo"][layer].T
+            h = _rms_norm(x, w["post_norm"][layer])
+            mlp = F.silu(h @ w["w_gate"][layer].T) * (h @ w["w_up"][layer].T)
+            x = x + mlp @ w["w_down"][layer].T
+        hidden = _rms_norm(x[:, 1:] if dflash else x, w["final_norm"])
+        logits = hidden @ w["lm_head"].T
+        if dflash:
+            return logits
+        # DSpark: sequential Markov bias from the previously drafted token.
+        steps = []
+        prev = anchors
+        for step in range(depth):
+            step_logits = logits[:, step] + w["markov_w1"][prev] @ w["markov_w2"].T
+            prev = step_logits.argmax(-1)
+            steps.append(step_logits)
+        return torch.stack(steps, 1)
+
+    # -------------------------------------------------------------- serving
+
+    def propose(self, batch: ProposeBatch) -> ProposeOutput:
+        timer = StepTimer()
+        if batch.positions.numel():
+            self._store_context(batch)
+        timer.mark("context")
+        num_reqs, depth = len(batch.slots), batch.num_speculative_tokens
+        host = self._host_query
+        padded = (
+            padded_batch_size(self._graph_sizes, num_reqs) if self._graphs else num_reqs
+        )
+        host[:, num_reqs:padded] = 0
+        host[3, num_reqs:padded] = _NO_CONTEXT
+        host[:, :num_reqs] = torch.tensor(
+            (batch.anchor_token_ids, batch.ends, batch.slots, batch.starts)
+        )
+        self._query_in[:, :padded].copy_(host[:, :padded], non_blocking=True)
+        if self._graphs:
+            graph, graph_logits = self._graphs[(padded, depth)]
+            graph.replay()
+            logits = graph_logits[:num_reqs]
+        else:
+            logits = self._query(num_reqs, depth)
+        tokens = logits.argmax(-1)
+        timer.mark("query")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timer.mark("device_wait")
+        tokens = tokens.cpu()
+        timer.mark("copy_back")
+        return ProposeOutput(
+            tokens=tokens,
+            logits=logits if batch.want_logits else None,
+            timings=timer.timings,
+        )
+
+    def _store_context(self, batch: ProposeBatch) -> None:
+        plan = plan_context(batch, self.limits.window_size, self.cache.budget)
+        rows = batch.rows if plan.keep is None else batch.rows[plan.keep]
+        if self.device.type == "cuda":
+            staged = self._host_rows[: rows.shape[0]]
+            staged.copy_(rows)
+            rows = staged.to(self.device, non_blocking=True)
+        positions = plan.positions.to(self.device, non_blocking=True)
+        slots = plan.slots.to(self.device, non_blocking=True)
+        combined = self._combine(rows)
+        self.cache.write(self.cache.index(slots, positions), combined)
+        if plan.kv_select is not None:
+            select = plan.kv_select.to(self.device, non_blocking=True)
+            combined, positions, slots = (
+                combined[select],
+                positions[select],
+                slots[select],
+            )
+        self._write_kv(
+            combined, positions, self.geometry.slot_mapping(slots, positions)
+        )
+
+    def restore(
+        self, src_slot: int, dst_slot: int, start: int, end: int, kv_start: int
+    ) -> None:
+        self.cache.copy(src_slot, dst_slot, start, end)
+        if kv_start < end:
+            combined = self.cache.read(dst_slot, kv_start, end)
+            positions = torch.arange(kv_start, end, device=self.device)
+            slots = torch.full_like(positions, dst_slot)
+            self._write_kv(
+                combined, positions, self.geometry.slot_mapping(slots, positions)
+            )

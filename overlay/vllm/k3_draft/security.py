@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Bind rules and CurveZMQ for the draft server's RPC socket.
+
+* ``ipc://``, ``inproc://`` and loopback TCP (127.0.0.0/8, ::1, localhost)
+  binds are allowed as they are.
+* Any other TCP bind needs CurveZMQ: the server's key pair (a certificate file
+  as written by ``zmq.auth.create_certificates``) and a directory of the
+  authorized clients' public certificates, enforced by a ZAP handler
+  (``zmq.auth.thread.ThreadAuthenticator``). Clients configure the server's
+  public key.
+* Without keys, a non-loopback bind is refused unless
+  ``allow_unsafe_remote_rpc`` is set, which logs a warning at every start. A
+  wildcard bind (``*``, ``0.0.0.0``, ``::``) without CURVE is always refused.
+* Keys given for a local bind enable CURVE there too.
+* Other transports are refused.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from vllm.k3_draft.log import init_logger
+
+logger = init_logger(__name__)
+
+_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::"})
+
+
+class BindRefused(ValueError):
+    """A bind address is not allowed with the given security settings."""
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """``secret_key_file``: the server's certificate with its secret key;
+    ``authorized_keys_dir``: public certificates of authorized clients."""
+
+    secret_key_file: str
+    authorized_keys_dir: str
+
+    def load_server_keys(self) -> tuple[bytes, bytes]:
+        """(public, secret) key of the server; ``ValueError`` if unusable."""
+        try:
+            public, secret = zmq.auth.load_certificate(self.secret_key_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot load the CURVE key {self.secret_key_file}: {exc}"
+            ) from exc
+        if not secret:
+            raise ValueError(f"{self.secret_key_file} holds no secret key")
+        return public, secret
+
+    def check(self) -> None:
+        """Refuse missing or unreadable key material."""
+        self.load_server_keys()
+        if not os.path.isdir(self.authorized_keys_dir):
+            raise ValueError(
+                f"authorized keys directory {self.authorized_keys_dir} is missing"
+            )
+
+
+def bind_scope(address: str) -> str:
+    """``"local"`` (ipc/inproc/loopback TCP), ``"wildcard"`` or ``"remote"``.
+
+    Raises ``BindRefused`` for malformed addresses and other transports.
+    """
+    transport, sep, endpoint = address.partition("://")
+    if not sep or not endpoint:
+        raise BindRefused(f"malformed bind address {address!r}")
+    if transport in ("ipc", "inproc"):
+        return "local"
+    if transport != "tcp":
+        raise BindRefused(f"transport {transport!r} is not supported ({address})")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not (port == "*" or port.isdigit()):
+        raise BindRefused(f"malformed TCP address {address!r}")
+    if port.isdigit() and not 0 < int(port) < 65536:
+        raise BindRefused(f"port {port} out of range in {address!r}")
+    host = host.removeprefix("[").removesuffix("]")
+    if host in _WILDCARD_HOSTS:
+        return "wildcard"
+    if host == "localhost":
+        return "local"
+    try:
+        return "local" if ipaddress.ip_address(host).is_loopback else "remote"
+    except ValueError:
+        # An interface or host name: treated as reachable from outside.
+        return "remote"
+
+
+def check_bind(
+    address: str, curve: CurveConfig | None, allow_unsafe_remote_rpc: bool
+) -> None:
+    """Apply the bind rules of the module docstring; raises ``BindRefused``."""
+    scope = bind_scope(address)
+    if scope == "local" or curve is not None:
+        return
+    if scope == "wildcard":
+        raise BindRefused(
+            f"refusing to bind {address} on all interfaces without CURVE keys"
+        )
+    if not allow_unsafe_remote_rpc:
+        raise BindRefused(
+            f"refusing to bind the non-loopback address {address} without CURVE "
+            "keys (give --curve-secret-key and --curve-authorized-keys, or "
+            "--allow-unsafe-remote-rpc)"
+        )
+
+
+def warn_if_unsafe(address: str, curve: CurveConfig | None) -> None:
+    """Log the start-up warning of an unauthenticated remote bind."""
+    if curve is None and bind_scope(address) == "remote":
+        logger.warning(
+            "UNSAFE: the draft RPC socket %s accepts unauthenticated, "
+            "unencrypted requests from the network (--allow-unsafe-remote-rpc)",
+            address,
+        )
+
+
+def secure_socket(
+    context: zmq.Context, socket: zmq.Socket, curve: CurveConfig | None
+) -> ThreadAuthenticator | None:
+    """Make ``socket`` a CURVE server (before bind) with a running ZAP
+    authenticator; returns it (stop it at shutdown) or None without keys."""
+    if curve is None:
+        return None
+    public, secret = curve.load_server_keys()
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=curve.authorized_keys_dir)
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_server = True
+    return authenticator

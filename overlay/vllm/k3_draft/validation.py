@@ -1,0 +1,313 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Validation of draft-server requests, done whole before any state changes.
+
+``parse_*`` functions check what a message says by itself (fields, types,
+bounds, frame counts and exact byte lengths, contiguous positions);
+``check_propose`` and ``plan_reconnect`` check it against the request table.
+Every violation raises ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.k3_draft.context_cache import covered_start
+from vllm.k3_draft.engine import DraftLimits
+from vllm.k3_draft.protocol import (
+    MAX_REQUEST_ID_CHARS,
+    PROPOSE_REQUEST_FIELDS,
+    ProtocolError,
+    ReplyExtension,
+    frame_tensor,
+)
+
+_ENVELOPE = frozenset({"protocol", "op"})
+
+
+@dataclass
+class RequestState:
+    """A retained request: its slot, valid positions ``[start, end)`` and the
+    high-water mark ``high`` of positions written (``high >= end``)."""
+
+    slot: int
+    start: int
+    end: int
+    high: int
+
+
+@dataclass(frozen=True)
+class ProposeEntry:
+    request_id: str
+    reset: bool
+    reset_position: int
+    context_count: int
+    anchor_token_id: int
+    anchor_position: int
+    # First context position (the anchor position when there is no context).
+    first_position: int
+
+
+@dataclass
+class ParsedPropose:
+    num_speculative_tokens: int
+    entries: list[ProposeEntry]
+    positions: torch.Tensor
+    rows: torch.Tensor
+    extensions: list[tuple[ReplyExtension, Any]]
+
+
+def check_fields(header: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """Refuse header fields outside ``allowed`` (besides protocol and op)."""
+    unknown = header.keys() - allowed - _ENVELOPE
+    if unknown:
+        raise ProtocolError(f"unknown header fields {sorted(unknown)}")
+
+
+def check_frame_count(frames: Sequence[Any], expected: int, op: str) -> None:
+    if len(frames) != expected:
+        raise ProtocolError(
+            f"{op} carries {len(frames)} tensor frames, expected {expected}"
+        )
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high)`` (bools are not ints here)."""
+    if type(value) is not int or not low <= value < high:
+        raise ProtocolError(
+            f"{name} must be an integer in [{low}, {high}), got {value!r}"
+        )
+    return value
+
+
+def request_id(value: Any, name: str = "request_id") -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_CHARS:
+        raise ProtocolError(
+            f"{name} must be a non-empty string of at most "
+            f"{MAX_REQUEST_ID_CHARS} characters"
+        )
+    return value
+
+
+def request_ids(header: Mapping[str, Any]) -> list[str]:
+    """The ``request_ids`` list of RESET/FREE (distinct ids)."""
+    ids = header.get("request_ids")
+    if not isinstance(ids, list):
+        raise ProtocolError("request_ids must be a list")
+    parsed = [request_id(value, "request_ids entry") for value in ids]
+    if len(set(parsed)) != len(parsed):
+        raise ProtocolError("request_ids holds duplicates")
+    return parsed
+
+
+def parse_propose(
+    header: Mapping[str, Any],
+    frames: Sequence[Any],
+    limits: DraftLimits,
+    vocab_size: int,
+    context_width: int,
+    extensions: Sequence[ReplyExtension],
+    server_info: Mapping[str, Any],
+) -> ParsedPropose:
+    """Stateless checks of a PROPOSE; see the module docstring."""
+    allowed = {"num_speculative_tokens", "requests"}
+    for extension in extensions:
+        allowed.update(extension.request_fields)
+    check_fields(header, frozenset(allowed))
+    k = _int(
+        header.get("num_speculative_tokens"),
+        "num_speculative_tokens",
+        1,
+        limits.max_speculative_tokens + 1,
+    )
+    requests = header.get("requests")
+    if not isinstance(requests, list) or not 0 < len(requests) <= limits.max_batch_size:
+        raise ProtocolError(
+            f"requests must be a list of 1 to {limits.max_batch_size} entries"
+        )
+    raw = []
+    seen: set[str] = set()
+    for item in requests:
+        if not isinstance(item, dict) or item.keys() != set(PROPOSE_REQUEST_FIELDS):
+            raise ProtocolError(
+                f"each request needs exactly the fields {list(PROPOSE_REQUEST_FIELDS)}"
+            )
+        rid = request_id(item["request_id"])
+        if rid in seen:
+            raise ProtocolError(f"request {rid!r} appears twice")
+        seen.add(rid)
+        if type(item["reset"]) is not bool:
+            raise ProtocolError(f"reset of {rid!r} must be a boolean")
+        raw.append(
+            (
+                rid,
+                item["reset"],
+                _int(item["reset_position"], "reset_position", 0, limits.max_model_len),
+                _int(
+                    item["context_count"],
+                    "context_count",
+                    0,
+                    limits.max_context_tokens + 1,
+                ),
+                _int(item["anchor_token_id"], "anchor_token_id", 0, vocab_size),
+                _int(
+                    item["anchor_position"], "anchor_position", 0, limits.max_model_len
+                ),
+            )
+        )
+    counts = np.array([entry[3] for entry in raw], dtype=np.int64)
+    total = int(counts.sum())
+    if total > limits.max_context_tokens:
+        raise ProtocolError(
+            f"{total} context rows exceed max_context_tokens "
+            f"{limits.max_context_tokens}"
+        )
+    check_frame_count(frames, 2 if total else 0, "PROPOSE")
+    if total:
+        positions = frame_tensor(frames[0], torch.int64, (total,), "positions")
+        rows = frame_tensor(
+            frames[1], torch.bfloat16, (total, context_width), "context rows"
+        )
+        firsts = _check_contiguous(positions.numpy(), counts)
+    else:
+        positions = torch.empty(0, dtype=torch.int64)
+        rows = torch.empty(0, context_width, dtype=torch.bfloat16)
+        firsts = np.zeros(len(raw), dtype=np.int64)
+    entries = []
+    for (rid, reset, reset_pos, count, anchor, anchor_pos), first in zip(raw, firsts):
+        if count and anchor_pos != first + count:
+            raise ProtocolError(
+                f"anchor_position {anchor_pos} of {rid!r} is not its last context "
+                f"position + 1 ({first + count})"
+            )
+        entries.append(
+            ProposeEntry(
+                rid,
+                reset,
+                reset_pos,
+                count,
+                anchor,
+                anchor_pos,
+                int(first) if count else anchor_pos,
+            )
+        )
+    active = []
+    for extension in extensions:
+        options = extension.parse_request(header, server_info)
+        if options is not None:
+            active.append((extension, options))
+    return ParsedPropose(k, entries, positions, rows, active)
+
+
+def _check_contiguous(positions: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """First position of each request; refuses non-contiguous or negative runs."""
+    offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    nonempty = counts > 0
+    firsts = np.zeros(len(counts), dtype=np.int64)
+    firsts[nonempty] = positions[offsets[nonempty]]
+    expected = np.repeat(firsts - offsets, counts) + np.arange(positions.shape[0])
+    if not np.array_equal(positions, expected):
+        raise ProtocolError("context positions are not contiguous per request")
+    if (firsts < 0).any():
+        raise ProtocolError("context positions must be non-negative")
+    return firsts
+
+
+def check_propose(
+    parsed: ParsedPropose,
+    requests: Mapping[str, RequestState],
+    num_free_slots: int,
+    max_rewind: int,
+) -> None:
+    """Check a parsed PROPOSE against the request table."""
+    new = 0
+    for entry in parsed.entries:
+        rid = entry.request_id
+        state = requests.get(rid)
+        if entry.reset:
+            new += state is None
+            if entry.first_position != entry.reset_position:
+                raise ProtocolError(
+                    f"request {rid!r} resets at {entry.reset_position} but its "
+                    f"context starts at {entry.first_position}"
+                )
+            continue
+        if state is None:
+            raise ProtocolError(f"unknown request {rid!r} (reset it first)")
+        if entry.context_count == 0:
+            if entry.anchor_position != state.end:
+                raise ProtocolError(
+                    f"anchor_position {entry.anchor_position} of {rid!r} is not "
+                    f"its committed end {state.end}"
+                )
+            continue
+        first = entry.first_position
+        if first > state.end:
+            raise ProtocolError(
+                f"context of {rid!r} starts at {first}, after its committed end "
+                f"{state.end}"
+            )
+        if first < state.start or state.end - first > max_rewind:
+            raise ProtocolError(
+                f"context of {rid!r} rewinds to {first}: allowed back to "
+                f"{max(state.start, state.end - max_rewind)} (reset instead)"
+            )
+    if new > num_free_slots:
+        raise ProtocolError(
+            f"{new} new requests but {num_free_slots} free slots (FREE some first)"
+        )
+
+
+@dataclass(frozen=True)
+class ReconnectPlan:
+    source: RequestState
+    request_id: str
+    prefix_end: int
+    # Restored valid positions are [restored_start, prefix_end); K/V is
+    # rebuilt for [kv_start, prefix_end).
+    restored_start: int
+    kv_start: int
+
+
+def plan_reconnect(
+    header: Mapping[str, Any],
+    requests: Mapping[str, RequestState],
+    num_free_slots: int,
+    limits: DraftLimits,
+) -> ReconnectPlan:
+    """Validate a RECONNECT against the request table."""
+    check_fields(header, frozenset({"source_request_id", "request_id", "prefix_end"}))
+    source_id = request_id(header.get("source_request_id"), "source_request_id")
+    rid = request_id(header.get("request_id"))
+    prefix_end = _int(header.get("prefix_end"), "prefix_end", 0, limits.max_model_len)
+    source = requests.get(source_id)
+    if source is None:
+        raise ProtocolError(f"unknown source request {source_id!r}")
+    if not source.start <= prefix_end <= source.end:
+        raise ProtocolError(
+            f"prefix_end {prefix_end} is outside the source's valid positions "
+            f"[{source.start}, {source.end})"
+        )
+    if rid not in requests and num_free_slots == 0:
+        raise ProtocolError("no free slot for the reconnected request")
+    window_start = max(0, prefix_end - limits.window_size)
+    aligned = window_start // limits.block_size * limits.block_size
+    restored_start = max(aligned, source.start)
+    cached = covered_start(source.start, source.high, limits.prefix_cache_tokens)
+    if restored_start < cached:
+        raise ProtocolError(
+            f"restore from {restored_start} is not covered: the source's context "
+            f"cache holds positions [{cached}, {source.end})"
+        )
+    return ReconnectPlan(
+        source=source,
+        request_id=rid,
+        prefix_end=prefix_end,
+        restored_start=restored_start,
+        kv_start=max(restored_start, window_start),
+    )
