@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Production artifacts of an applied tree: wheel, image context, lock."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.fetch import sha256_file
+from k3stack.gitutil import git, git_bytes
+from k3stack.pin import Pin
+from k3stack.series import Stack
+from k3stack.wheel import WheelChanges, build_wheel
+from k3stack.worktree import UPSTREAM_TAG, layer_tag
+
+BUILD_DIR = Path(__file__).resolve().parent.parent
+INSTALLER = Path(__file__).resolve().parent / "install.py"
+PACKAGE_ROOTS = ("vllm/",)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    wheel: Path
+    context: Path
+    lock: Path
+    version: str
+
+
+def tree_changes(tree: Path, rev: str) -> WheelChanges:
+    """The package files that ``rev`` changes relative to pristine upstream."""
+    out = git(
+        tree, "diff", "--name-status", "--no-renames", UPSTREAM_TAG, rev, "--",
+        *PACKAGE_ROOTS,
+    )
+    files: dict[str, bytes] = {}
+    removed = set()
+    for line in out.splitlines():
+        status, path = line.split("\t", 1)
+        if status == "D":
+            removed.add(path)
+        else:
+            files[path] = git_bytes(tree, "show", f"{rev}:{path}")
+    return WheelChanges(files, frozenset(removed))
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def build(
+    stack: Stack,
+    pin: Pin,
+    tree: Path,
+    upstream_wheel: Path,
+    out_dir: Path,
+    layers: int,
+) -> BuildResult:
+    """Build the wheel, the image context and the lock for layers 1..layers."""
+    rev = layer_tag(layers) if layers else UPSTREAM_TAG
+    stack_hash = stack.stack_hash(layers)
+    local = f"stack.{stack_hash[:12]}"
+    changes = tree_changes(tree, rev)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob(f"{pin.name}-*.whl"):
+        old.unlink()
+    wheel = build_wheel(upstream_wheel, changes, local, out_dir)
+    version = f"{pin.version}+{local}"
+
+    context = out_dir / "image"
+    if context.exists():
+        shutil.rmtree(context)
+    site = context / "stack" / "site"
+    payload_files: dict[str, str] = {}
+    for rel, data in sorted(changes.files.items()):
+        _write(site / rel, data)
+        payload_files[rel] = _sha(data)
+    dist_info = f"{pin.name}-{version}.dist-info"
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if name.startswith(dist_info + "/"):
+                data = zf.read(name)
+                _write(site / name, data)
+                payload_files[name] = _sha(data)
+    shutil.copyfile(INSTALLER, context / "stack" / "install.py")
+
+    applied = stack.upto(layers)
+    lock = {
+        "schema": 1,
+        "upstream": {
+            "name": pin.name,
+            "version": pin.version,
+            "commit": pin.commit,
+            "sdist": {"filename": pin.sdist.filename, "sha256": pin.sdist.sha256},
+            "wheel": {"filename": upstream_wheel.name, "sha256": sha256_file(upstream_wheel)},
+            "base_image": pin.base_image,
+        },
+        "stack": {
+            "hash": stack_hash,
+            "layers": [
+                {
+                    "number": layer.number,
+                    "patch": layer.name,
+                    "sha256": sha256_file(layer.patch_file),
+                    "overlay": {
+                        rel: sha256_file(stack.overlay_dir / rel)
+                        for rel in layer.patch.overlay
+                    },
+                }
+                for layer in applied
+            ],
+        },
+        "tree": {
+            "rev": rev,
+            "package_trees": {
+                root.rstrip("/"): git(tree, "rev-parse", f"{rev}:{root.rstrip('/')}")
+                for root in PACKAGE_ROOTS
+            },
+        },
+        "payload": {
+            "dist_info": dist_info,
+            "replaces_dist_info": f"{pin.name}-{pin.version}.dist-info",
+            "files": payload_files,
+            "removed": sorted(changes.removed),
+        },
+        "artifacts": {
+            "wheel": {"filename": wheel.name, "sha256": sha256_file(wheel)},
+        },
+    }
+    lock_text = json.dumps(lock, indent=2, sort_keys=True) + "\n"
+    (context / "stack" / "stack.lock.json").write_text(lock_text)
+    dockerfile = (BUILD_DIR / "Dockerfile").read_text()
+    for key, value in {
+        "@BASE_IMAGE@": pin.base_image,
+        "@VERSION@": version,
+        "@UPSTREAM_COMMIT@": pin.commit,
+        "@STACK_HASH@": stack_hash,
+        "@LAYERS@": ",".join(layer.name for layer in applied),
+    }.items():
+        dockerfile = dockerfile.replace(key, value)
+    (context / "Dockerfile").write_text(dockerfile)
+    lock_path = out_dir / "stack.lock.json"
+    lock_path.write_text(lock_text)
+    return BuildResult(wheel, context, lock_path, version)
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def docker_build(context: Path, tag: str) -> str:
+    """Build the image when a Docker engine answers; say so in one line if not."""
+    try:
+        probe = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"docker: no engine answered ({type(e).__name__}); context ready: {context}"
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or ["no answer"])[-1]
+        return f"docker: no engine answered ({reason[:120]}); context ready: {context}"
+    build = subprocess.run(["docker", "build", "-t", tag, str(context)])
+    if build.returncode != 0:
+        raise StackError(f"docker build of {context} failed (exit {build.returncode})")
+    return f"docker: built {tag}"

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``python -m k3stack COMMAND``: apply, refresh, rebase, build, validate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.artifacts import build, docker_build
+from k3stack.fetch import fetch
+from k3stack.pin import Pin, load_pin
+from k3stack.refresh import refresh
+from k3stack.series import Stack, load_stack
+from k3stack.upstream import export_checkout, extract_sdist
+from k3stack.worktree import build_tree, read_marker
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TREE = ROOT / ".work" / "tree"
+DEFAULT_DIST = ROOT / "dist"
+
+
+def pristine_message(pin: Pin) -> str:
+    return f"{pin.name} {pin.version} (upstream {pin.commit}), pristine\n"
+
+
+def do_apply(stack: Stack, pin: Pin, tree: Path, upto: int | None, source: Path | None) -> None:
+    if source is None:
+        sdist = fetch(pin.sdist, pin.name)
+
+        def lay_out(dest: Path) -> None:
+            extract_sdist(sdist, dest)
+
+    else:
+
+        def lay_out(dest: Path) -> None:
+            export_checkout(source, dest, pin.commit)
+
+    build_tree(stack, tree, lay_out, pristine_message(pin), upto)
+
+
+def cmd_apply(args: argparse.Namespace) -> None:
+    stack, pin = load_stack(ROOT), load_pin()
+    start = time.monotonic()
+    do_apply(stack, pin, args.tree, args.upto, args.source)
+    n = len(stack.upto(args.upto))
+    print(
+        f"apply: {pin.name} {pin.version} + {n} layers in {args.tree} "
+        f"({time.monotonic() - start:.1f} s); `git log --oneline` shows the stack"
+    )
+
+
+def cmd_refresh(args: argparse.Namespace) -> None:
+    changed = refresh(load_stack(ROOT), args.tree)
+    for line in changed:
+        print(f"refresh: {line}")
+    print(f"refresh: {len(changed)} files changed")
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    stack, pin = load_stack(ROOT), load_pin()
+    marker = read_marker(args.tree)
+    start = time.monotonic()
+    wheel = fetch(pin.wheel(), pin.name)
+    result = build(stack, pin, args.tree, wheel, args.dist, marker["layers"])
+    print(f"build: wheel {result.wheel} ({time.monotonic() - start:.1f} s)")
+    print(f"build: image context {result.context}")
+    print(f"build: lock {result.lock}")
+    tag = f"vllm-k3-overlay:{result.version.replace('+', '-')}"
+    print(f"build: {docker_build(result.context, tag)}")
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    stack = load_stack(ROOT)
+    print(f"validate: {len(stack.layers)} layers, series and overlay ownership ok")
+
+
+def cmd_rebase(args: argparse.Namespace) -> None:
+    from k3stack.rebase import rebase_command
+
+    rebase_command(load_stack(ROOT), load_pin(), args)
+
+
+def cmd_qualify(args: argparse.Namespace) -> None:
+    from k3stack.qualify import qualify_command
+
+    qualify_command(load_stack(ROOT), load_pin(), args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3stack", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("apply", help="lay out upstream and commit each layer")
+    a.add_argument("--upto", type=int, help="stop after layer N")
+    a.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    a.add_argument("--source", type=Path, help="a git checkout at the pinned commit")
+    a.set_defaults(func=cmd_apply)
+    r = sub.add_parser("refresh", help="write layer commits back to patches/")
+    r.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    r.set_defaults(func=cmd_refresh)
+    b = sub.add_parser("build", help="wheel, image context and lock")
+    b.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    b.add_argument("--dist", type=Path, default=DEFAULT_DIST)
+    b.set_defaults(func=cmd_build)
+    v = sub.add_parser("validate", help="check the series and overlay ownership")
+    v.set_defaults(func=cmd_validate)
+    rb = sub.add_parser("rebase", help="classify every layer on another upstream")
+    target = rb.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", metavar="VERSION", help="an upstream release")
+    target.add_argument("--checkout", type=Path, help="a git checkout of upstream")
+    rb.add_argument("--report", type=Path, default=ROOT / "dist" / "rebase")
+    rb.add_argument("--write-pin", action="store_true", help="pin --to VERSION")
+    rb.set_defaults(func=cmd_rebase)
+    q = sub.add_parser("qualify", help="per-layer qualification")
+    q.add_argument("--layer", type=int, help="qualify only layer N (prefix 1..N)")
+    q.add_argument("--python", default=sys.executable)
+    q.add_argument("--out", type=Path, default=ROOT / "dist" / "qualify")
+    q.set_defaults(func=cmd_qualify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Run git with a fixed identity and dates, independent of the user's config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from k3stack import StackError
+
+IDENTITY = ("vLLM K3 overlay", "k3-overlay@localhost")
+EPOCH = "1980-01-01T00:00:00+0000"
+
+
+def git(
+    cwd: Path,
+    *args: str,
+    date: str = EPOCH,
+    check: bool = True,
+    stdin: bytes | None = None,
+) -> str:
+    """Run ``git args`` in ``cwd`` and return its stdout (stripped of one \\n)."""
+    return git_bytes(cwd, *args, date=date, check=check, stdin=stdin).decode(
+        "utf-8", "replace"
+    ).removesuffix("\n")
+
+
+def git_bytes(
+    cwd: Path,
+    *args: str,
+    date: str = EPOCH,
+    check: bool = True,
+    stdin: bytes | None = None,
+) -> bytes:
+    env = {
+        **os.environ,
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_AUTHOR_NAME": IDENTITY[0],
+        "GIT_AUTHOR_EMAIL": IDENTITY[1],
+        "GIT_COMMITTER_NAME": IDENTITY[0],
+        "GIT_COMMITTER_EMAIL": IDENTITY[1],
+        "GIT_AUTHOR_DATE": date,
+        "GIT_COMMITTER_DATE": date,
+    }
+    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        env.pop(var, None)
+    cmd = [
+        "git",
+        "-c",
+        "safe.directory=*",
+        "-c",
+        "core.autocrlf=false",
+        "-c",
+        "commit.gpgsign=false",
+        "-c",
+        "tag.gpgsign=false",
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
+    if check and proc.returncode != 0:
+        message = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise StackError(
+            f"git {' '.join(args[:3])} failed in {cwd}: "
+            f"{message[-1] if message else proc.returncode}"
+        )
+    return proc.stdout
+
+
+def is_work_tree(path: Path) -> bool:
+    if not (path / ".git").exists():
+        return False
+    return git(path, "rev-parse", "--is-inside-work-tree", check=False) == "true"
+
+
+def dirty_paths(path: Path, *pathspec: str) -> list[str]:
+    """Uncommitted (staged, unstaged or untracked) paths in a work tree."""
+    out = git(path, "status", "--porcelain", "--untracked-files=all", "--", *pathspec)
+    return [line[3:] for line in out.splitlines() if line]

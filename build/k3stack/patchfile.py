@@ -1,0 +1,287 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Layer patch files: git-format patches with DEP-3 style headers.
+
+A patch file is::
+
+    From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+    From: <maintainers>
+    Date: <Last-Update, midnight UTC>
+    Subject: [PATCH] <subject>
+
+    Description: <text, continuation lines indented by one space>
+    Origin: ...
+    Forwarded: ...
+    Last-Update: YYYY-MM-DD
+    Overlay: <overlay paths the layer owns, one a line>
+    Upstream-Tests: <upstream test files the layer touches or keeps green>
+    Suite: <the layer's focused suite under tests/>
+    ---
+    <git diff of upstream files, --full-index, -U3>
+
+Nothing in it churns when nothing changed: no commit hashes, no tool versions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3stack import StackError
+
+AUTHOR = "vLLM K3 overlay maintainers <k3-overlay@localhost>"
+FROM_LINE = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001"
+LIST_FIELDS = ("Overlay", "Upstream-Tests", "Suite")
+REQUIRED_FIELDS = ("Description", "Origin", "Forwarded", "Last-Update")
+_HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+@dataclass
+class Hunk:
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    header: str
+    # (op, content) with op in b" -+"; content keeps its line ending.
+    lines: list[tuple[bytes, bytes]]
+
+    def reversed(self) -> Hunk:
+        swap = {b"-": b"+", b"+": b"-", b" ": b" "}
+        return Hunk(
+            self.new_start,
+            self.new_len,
+            self.old_start,
+            self.old_len,
+            self.header,
+            [(swap[op], text) for op, text in self.lines],
+        )
+
+
+@dataclass
+class FilePatch:
+    path: str
+    deleted: bool
+    hunks: list[Hunk]
+
+    def reversed(self) -> FilePatch:
+        return FilePatch(self.path, False, [h.reversed() for h in self.hunks])
+
+
+@dataclass
+class LayerPatch:
+    """A parsed layer patch file."""
+
+    subject: str
+    fields: dict[str, str]
+    diff: bytes = b""
+    files: list[FilePatch] = field(default_factory=list)
+
+    def values(self, name: str) -> list[str]:
+        """The whitespace-separated values of a list field."""
+        return self.fields.get(name, "").split()
+
+    @property
+    def overlay(self) -> list[str]:
+        return self.values("Overlay")
+
+    @property
+    def upstream_tests(self) -> list[str]:
+        return self.values("Upstream-Tests")
+
+    @property
+    def suite(self) -> list[str]:
+        return self.values("Suite")
+
+    def commit_message(self) -> str:
+        return f"{self.subject}\n\n{format_fields(self.fields)}"
+
+    def render(self) -> bytes:
+        """The patch file's bytes."""
+        date = dt.date.fromisoformat(self.fields["Last-Update"])
+        stamp = dt.datetime(date.year, date.month, date.day, tzinfo=dt.timezone.utc)
+        head = (
+            f"{FROM_LINE}\nFrom: {AUTHOR}\n"
+            f"Date: {stamp.strftime('%a, %d %b %Y %H:%M:%S +0000')}\n"
+            f"Subject: [PATCH] {self.subject}\n\n"
+            f"{format_fields(self.fields)}---\n"
+        )
+        return head.encode() + self.diff
+
+
+def format_fields(fields: dict[str, str]) -> str:
+    out = []
+    for name, value in fields.items():
+        if name in LIST_FIELDS:
+            items = value.split()
+            lines = [f"{name}:"] + [f" {item}" for item in items]
+            out.append("\n".join(lines))
+            continue
+        text_lines = value.split("\n")
+        first, rest = text_lines[0], text_lines[1:]
+        cont = [f" {line}" if line.strip() else " ." for line in rest]
+        out.append("\n".join([f"{name}: {first}".rstrip()] + cont))
+    return "\n".join(out) + "\n"
+
+
+def parse_fields(text: str, where: str) -> dict[str, str]:
+    """Parse ``Name: value`` fields with one-space continuation lines."""
+    fields: dict[str, str] = {}
+    name = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith(" ") and name is not None:
+            cont = line[1:]
+            fields[name] += "\n" + ("" if cont == "." else cont)
+            continue
+        key, sep, value = line.partition(":")
+        if not sep or not key or " " in key:
+            raise StackError(f"{where}: malformed header line {line!r}")
+        name = key
+        if name in fields:
+            raise StackError(f"{where}: field {name} appears twice")
+        fields[name] = value.strip()
+    for name in LIST_FIELDS:
+        if name in fields:
+            fields[name] = "\n".join(fields[name].split())
+    missing = [n for n in REQUIRED_FIELDS if n not in fields]
+    if missing:
+        raise StackError(f"{where}: missing header fields {', '.join(missing)}")
+    try:
+        dt.date.fromisoformat(fields["Last-Update"])
+    except ValueError:
+        raise StackError(
+            f"{where}: Last-Update {fields['Last-Update']!r} is not YYYY-MM-DD"
+        ) from None
+    return fields
+
+
+def parse_commit_message(message: str, where: str) -> LayerPatch:
+    subject, _, body = message.partition("\n")
+    return LayerPatch(subject.strip(), parse_fields(body, where))
+
+
+def load(path: Path) -> LayerPatch:
+    """Parse a layer patch file."""
+    data = path.read_bytes()
+    where = path.name
+    head, sep, diff = data.partition(b"\n---\n")
+    if not sep:
+        raise StackError(f"{where}: no '---' line between header and diff")
+    lines = head.decode().split("\n")
+    if lines[0] != FROM_LINE:
+        raise StackError(f"{where}: first line is not the git-format 'From' line")
+    try:
+        blank = lines.index("")
+    except ValueError:
+        raise StackError(f"{where}: no blank line after the mail header") from None
+    subject = next(
+        (ln[len("Subject: ") :] for ln in lines[1:blank] if ln.startswith("Subject:")),
+        None,
+    )
+    if subject is None:
+        raise StackError(f"{where}: no Subject line")
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
+    fields = parse_fields("\n".join(lines[blank + 1 :]), where)
+    return LayerPatch(subject, fields, diff, parse_diff(diff, where))
+
+
+def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
+    """Parse a git diff of modified or deleted files."""
+    files: list[FilePatch] = []
+    current: FilePatch | None = None
+    hunk: Hunk | None = None
+    for number, line in enumerate(diff.splitlines(keepends=True), start=1):
+        if line.startswith(b"diff --git "):
+            parts = line.split()
+            path = parts[-1].decode()[2:]
+            current = FilePatch(path, False, [])
+            files.append(current)
+            hunk = None
+        elif current is None:
+            raise StackError(f"{where}: diff line {number} is outside a file diff")
+        elif hunk is None and line.startswith((b"new file mode", b"old mode")):
+            raise StackError(
+                f"{where}: {current.path}: new files and mode changes belong in "
+                "overlay/, not in the diff"
+            )
+        elif hunk is None and line.startswith(b"deleted file mode"):
+            current.deleted = True
+        elif match := _HUNK_RE.match(line):
+            a, b, c, d = match.groups()
+            hunk = Hunk(
+                int(a),
+                1 if b is None else int(b),
+                int(c),
+                1 if d is None else int(d),
+                line.decode().rstrip("\n"),
+                [],
+            )
+            current.hunks.append(hunk)
+        elif hunk is not None and line[:1] in (b" ", b"-", b"+"):
+            hunk.lines.append((line[:1], line[1:]))
+        elif hunk is not None and line.startswith(b"\\"):
+            op, text = hunk.lines[-1]
+            hunk.lines[-1] = (op, text.rstrip(b"\n"))
+        elif hunk is None and line.startswith((b"index ", b"--- ", b"+++ ")):
+            continue
+        else:
+            raise StackError(f"{where}: unexpected diff line {number}: {line[:60]!r}")
+    return files
+
+
+class HunkMismatch(StackError):
+    """A hunk whose context does not match the file at its exact position."""
+
+    def __init__(self, path: str, index: int, hunk: Hunk, reason: str):
+        super().__init__(f"{path} hunk {index} ({hunk.header}): {reason}")
+        self.path = path
+        self.index = index
+
+
+def apply_exact(source: bytes, patch: FilePatch) -> bytes:
+    """Apply ``patch`` to ``source`` with no fuzz and no offset.
+
+    Every hunk must match at exactly the line its header names, and the new
+    positions must follow from the old ones; anything else raises HunkMismatch.
+    """
+    src = source.splitlines(keepends=True)
+    out: list[bytes] = []
+    pos = 0
+    delta = 0
+    for index, hunk in enumerate(patch.hunks, start=1):
+        start = hunk.old_start - 1 if hunk.old_len else hunk.old_start
+        expected_new = hunk.old_start + delta
+        if hunk.old_len == 0 and hunk.new_len:
+            expected_new += 1
+        if hunk.new_len == 0 and hunk.old_len:
+            expected_new -= 1
+        if hunk.new_start != expected_new:
+            raise HunkMismatch(
+                patch.path, index, hunk, "new position drifts from the old one"
+            )
+        if start < pos or start > len(src):
+            raise HunkMismatch(patch.path, index, hunk, "out of range")
+        out.extend(src[pos:start])
+        cursor = start
+        for op, text in hunk.lines:
+            if op == b"+":
+                out.append(text)
+                continue
+            if cursor >= len(src) or src[cursor] != text:
+                raise HunkMismatch(
+                    patch.path,
+                    index,
+                    hunk,
+                    f"line {cursor + 1} does not match exactly",
+                )
+            if op == b" ":
+                out.append(text)
+            cursor += 1
+        pos = cursor
+        delta += hunk.new_len - hunk.old_len
+    out.extend(src[pos:])
+    return b"".join(out)

@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Turn the work tree's layer commits back into patches/ and overlay/."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.gitutil import dirty_paths, git, git_bytes, is_work_tree
+from k3stack.patchfile import LayerPatch, parse_commit_message, parse_diff
+from k3stack.series import Stack
+from k3stack.worktree import UPSTREAM_TAG, read_marker, write_marker
+
+
+def _tree_files(tree: Path, rev: str) -> set[str]:
+    return set(git(tree, "ls-tree", "-r", "--name-only", rev).splitlines())
+
+
+def read_layer(
+    tree: Path, commit: str, upstream: set[str], lower_overlay: set[str], where: str
+) -> tuple[LayerPatch, dict[str, bytes]]:
+    """One layer commit as a patch plus the overlay files it owns."""
+    parent = f"{commit}^"
+    changes = git(
+        tree, "diff-tree", "-r", "--no-renames", "--name-status", parent, commit
+    ).splitlines()
+    upstream_paths: list[str] = []
+    owned: dict[str, bytes] = {}
+    for line in changes:
+        status, path = line.split("\t", 1)
+        if path in upstream:
+            upstream_paths.append(path)
+        elif path in lower_overlay:
+            raise StackError(
+                f"{where} changes {path}, which a lower layer owns: extend it "
+                "through that layer's extension point instead"
+            )
+        elif not path.startswith("vllm/"):
+            raise StackError(
+                f"{where} adds {path}: only new files under vllm/ can be overlay"
+            )
+        elif status != "D":
+            owned[path] = git_bytes(tree, "show", f"{commit}:{path}")
+    patch = parse_commit_message(git(tree, "log", "-1", "--format=%B", commit), where)
+    diff = b""
+    if upstream_paths:
+        diff = git_bytes(
+            tree, "diff", "--full-index", "--no-renames", "--no-color",
+            "--no-ext-diff", "-U3", parent, commit, "--", *upstream_paths,
+        )
+    patch.diff = diff
+    patch.files = parse_diff(diff, where)
+    patch.fields["Overlay"] = "\n".join(sorted(owned))
+    return patch, owned
+
+
+def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]:
+    """Write the work tree's layers back; return one line per changed file.
+
+    Refused when the work tree or the checkout's patches/ and overlay/ hold
+    uncommitted edits, or when the commits on top of upstream are not one per
+    applied layer.
+    """
+    if not is_work_tree(tree):
+        raise StackError(f"{tree} is not a work tree; run `nox -s apply` first")
+    marker = read_marker(tree)
+    dirty = dirty_paths(tree)
+    if dirty:
+        raise StackError(
+            f"{tree} has uncommitted edits ({dirty[0]} ...); refused: commit "
+            "them into their layer first (git commit --fixup, rebase --autosquash)"
+        )
+    if is_work_tree(stack.root):
+        mine = dirty_paths(stack.root, "patches", "overlay")
+        if mine:
+            raise StackError(
+                f"uncommitted edits in this checkout ({mine[0]} ...); refused: "
+                "commit or stash them before refresh"
+            )
+    commits = git(tree, "rev-list", "--reverse", f"{UPSTREAM_TAG}..HEAD").splitlines()
+    if git(tree, "rev-list", "--merges", f"{UPSTREAM_TAG}..HEAD"):
+        raise StackError(f"{tree}: merge commits on top of upstream; refused")
+    applied = marker["layers"]
+    if len(commits) != applied:
+        raise StackError(
+            f"{tree} has {len(commits)} commits on top of upstream for {applied} "
+            "layers: squash extra commits into their layers first "
+            f"(git rebase -i --autosquash {UPSTREAM_TAG})"
+        )
+    upstream = _tree_files(tree, UPSTREAM_TAG)
+    today = today or dt.date.today()
+    changed: list[str] = []
+    lower_overlay: set[str] = set()
+    for layer, commit in zip(stack.layers[:applied], commits, strict=True):
+        where = f"layer {layer.number} ({layer.name})"
+        patch, owned = read_layer(tree, commit, upstream, lower_overlay, where)
+        lower_overlay |= set(owned)
+        overlay_changes = _write_overlay(stack, layer.patch.overlay, owned)
+        changed += overlay_changes
+        old = layer.patch_file.read_bytes()
+        patch.fields["Last-Update"] = layer.patch.fields["Last-Update"]
+        if overlay_changes or patch.render() != old:
+            patch.fields["Last-Update"] = today.isoformat()
+        new = patch.render()
+        if new != old:
+            layer.patch_file.write_bytes(new)
+            changed.append(f"patches/{layer.name}: updated")
+    write_marker(tree, applied)
+    return changed
+
+
+def _write_overlay(stack: Stack, before: list[str], owned: dict[str, bytes]) -> list[str]:
+    changed = []
+    for rel, data in sorted(owned.items()):
+        target = stack.overlay_dir / rel
+        if target.is_file() and target.read_bytes() == data:
+            continue
+        state = "updated" if target.exists() else "added"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        changed.append(f"overlay/{rel}: {state}")
+    for rel in before:
+        if rel not in owned:
+            (stack.overlay_dir / rel).unlink(missing_ok=True)
+            changed.append(f"overlay/{rel}: removed")
+    return changed

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ordered stack: ``patches/series`` and the overlay files it owns."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.patchfile import LayerPatch, load
+
+
+@dataclass
+class Layer:
+    number: int
+    patch_file: Path
+    patch: LayerPatch
+
+    @property
+    def name(self) -> str:
+        return self.patch_file.name
+
+
+@dataclass
+class Stack:
+    """The layers of a repository checkout, validated."""
+
+    root: Path
+    layers: list[Layer]
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def overlay_dir(self) -> Path:
+        return self.root / "overlay"
+
+    def upto(self, n: int | None) -> list[Layer]:
+        if n is None:
+            return self.layers
+        if not 0 <= n <= len(self.layers):
+            raise StackError(f"--upto {n}: the series has {len(self.layers)} layers")
+        return self.layers[:n]
+
+    def layer(self, n: int) -> Layer:
+        if not 1 <= n <= len(self.layers):
+            raise StackError(f"layer {n}: the series has {len(self.layers)} layers")
+        return self.layers[n - 1]
+
+    def stack_hash(self, n: int | None = None) -> str:
+        """sha256 over the series prefix: patch bytes and owned overlay files."""
+        digest = hashlib.sha256()
+        for layer in self.upto(n):
+            digest.update(b"patch\0" + layer.name.encode() + b"\0")
+            digest.update(layer.patch_file.read_bytes())
+            for rel in layer.patch.overlay:
+                digest.update(b"file\0" + rel.encode() + b"\0")
+                digest.update((self.overlay_dir / rel).read_bytes())
+        return digest.hexdigest()
+
+
+def read_series(patches_dir: Path) -> list[str]:
+    series = patches_dir / "series"
+    if not series.is_file():
+        raise StackError(f"{series} does not exist")
+    entries = []
+    for line in series.read_text().splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if entry:
+            entries.append(entry)
+    return entries
+
+
+def load_stack(root: Path) -> Stack:
+    """Load and validate the stack of the checkout at ``root``.
+
+    Refused: a series entry without a file, a patch file not in the series, an
+    entry listed twice, an overlay file claimed by two layers or by none, a
+    claimed file that is missing, an overlay path outside ``vllm/``.
+    """
+    patches_dir = root / "patches"
+    entries = read_series(patches_dir)
+    seen: set[str] = set()
+    for entry in entries:
+        if entry in seen:
+            raise StackError(f"patches/series lists {entry} twice")
+        seen.add(entry)
+        if not (patches_dir / entry).is_file():
+            raise StackError(f"patches/series lists {entry}, which does not exist")
+    unlisted = sorted(
+        p.name for p in patches_dir.glob("*.patch") if p.name not in seen
+    )
+    if unlisted:
+        raise StackError(f"patch files not in patches/series: {', '.join(unlisted)}")
+    layers = [
+        Layer(i, patches_dir / entry, load(patches_dir / entry))
+        for i, entry in enumerate(entries, start=1)
+    ]
+    owner: dict[str, str] = {}
+    overlay_dir = root / "overlay"
+    for layer in layers:
+        for rel in layer.patch.overlay:
+            if not rel.startswith("vllm/") or ".." in Path(rel).parts:
+                raise StackError(f"{layer.name}: overlay path {rel} is not under vllm/")
+            if rel in owner:
+                raise StackError(
+                    f"overlay file {rel} is claimed by {owner[rel]} and {layer.name}"
+                )
+            owner[rel] = layer.name
+            if not (overlay_dir / rel).is_file():
+                raise StackError(f"{layer.name}: overlay file {rel} does not exist")
+    on_disk = sorted(
+        p.relative_to(overlay_dir).as_posix()
+        for p in overlay_dir.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
+    unclaimed = [rel for rel in on_disk if rel not in owner]
+    if unclaimed:
+        raise StackError(
+            f"overlay files claimed by no layer: {', '.join(unclaimed[:5])}"
+            + (" ..." if len(unclaimed) > 5 else "")
+        )
+    return Stack(root, layers)

@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Lay out a pristine upstream tree from an sdist or a git checkout."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.gitutil import git, git_bytes, is_work_tree
+
+
+def extract_sdist(sdist: Path, dest: Path) -> None:
+    """Extract ``sdist`` into ``dest``, stripping its top-level folder."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as tar:
+        members = tar.getmembers()
+        tops = {m.name.split("/", 1)[0] for m in members}
+        if len(tops) != 1:
+            raise StackError(f"{sdist.name}: expected one top-level folder")
+        top = tops.pop()
+
+        def strip(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+            if member.name == top:
+                return None
+            member = tarfile.data_filter(member, path)
+            return member.replace(
+                name=member.name[len(top) + 1 :],
+                uid=None,
+                gid=None,
+                uname=None,
+                gname=None,
+                deep=False,
+            )
+
+        tar.extractall(dest, members=members, filter=strip)
+
+
+def export_checkout(checkout: Path, dest: Path, commit: str | None = None) -> str:
+    """Export the tracked files of a git checkout's HEAD into ``dest``.
+
+    With ``commit``, HEAD must be that commit (a prefix of its hash). Returns
+    the full commit hash exported.
+    """
+    if not is_work_tree(checkout):
+        raise StackError(f"{checkout} is not a git checkout")
+    head = git(checkout, "rev-parse", "HEAD")
+    if commit is not None and not head.startswith(commit):
+        raise StackError(
+            f"{checkout} is at {head[:12]}, not the pinned upstream commit {commit}"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = git_bytes(checkout, "archive", "--format=tar", "HEAD")
+    tar_path = dest / ".export.tar"
+    tar_path.write_bytes(archive)
+    try:
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(dest, filter="data")
+    finally:
+        tar_path.unlink()
+    return head

@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The applied work tree: pristine upstream commit plus one commit per layer.
+
+Tags: ``upstream`` on the pristine commit, ``layer-N`` on layer N's commit. A
+marker in ``.git`` records the HEAD the tooling last wrote or read back, so
+commits a maintainer made since are never thrown away.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.gitutil import dirty_paths, git, is_work_tree
+from k3stack.patchfile import HunkMismatch, apply_exact
+from k3stack.series import Layer, Stack
+
+MARKER = "k3stack-applied.json"
+UPSTREAM_TAG = "upstream"
+
+
+def layer_tag(n: int) -> str:
+    return f"layer-{n}"
+
+
+def read_marker(tree: Path) -> dict:
+    path = tree / ".git" / MARKER
+    if not path.is_file():
+        raise StackError(f"{tree} was not made by `nox -s apply`")
+    return json.loads(path.read_text())
+
+
+def write_marker(tree: Path, layers: int) -> None:
+    head = git(tree, "rev-parse", "HEAD")
+    (tree / ".git" / MARKER).write_text(json.dumps({"head": head, "layers": layers}))
+
+
+def guard_existing(tree: Path) -> None:
+    """Refuse to replace ``tree`` if it holds work the patches do not."""
+    if not tree.exists():
+        return
+    if not is_work_tree(tree):
+        if any(tree.iterdir()):
+            raise StackError(f"{tree} exists and is not a stack work tree; refused")
+        return
+    dirty = dirty_paths(tree)
+    if dirty:
+        raise StackError(
+            f"{tree} has uncommitted edits ({len(dirty)} paths, e.g. {dirty[0]}); "
+            "refused: commit them into their layer and run `nox -s refresh`"
+        )
+    marker = read_marker(tree)
+    if git(tree, "rev-parse", "HEAD") != marker["head"]:
+        raise StackError(
+            f"{tree} has commits that are not in patches/ yet; refused: "
+            "run `nox -s refresh` first"
+        )
+
+
+def commit_all(tree: Path, message: str, date: str) -> None:
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "--allow-empty", "--no-verify", "-F", "-",
+        date=date, stdin=message.encode())
+
+
+def apply_layer(tree: Path, stack: Stack, layer: Layer) -> None:
+    """Apply one layer's diff exactly and copy its overlay files."""
+    for fp in layer.patch.files:
+        target = tree / fp.path
+        if not target.is_file():
+            raise StackError(
+                f"layer {layer.number} ({layer.name}) does not apply: "
+                f"{fp.path} does not exist upstream"
+            )
+        try:
+            patched = apply_exact(target.read_bytes(), fp)
+        except HunkMismatch as e:
+            raise StackError(
+                f"layer {layer.number} ({layer.name}) does not apply: {e}"
+            ) from e
+        if fp.deleted:
+            target.unlink()
+        else:
+            target.write_bytes(patched)
+    for rel in layer.patch.overlay:
+        target = tree / rel
+        if target.exists():
+            raise StackError(
+                f"layer {layer.number} ({layer.name}): overlay file {rel} exists "
+                "upstream; changes to upstream files belong in the diff"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(stack.overlay_dir / rel, target)
+
+
+def build_tree(
+    stack: Stack,
+    dest: Path,
+    lay_out_pristine: Callable[[Path], None],
+    pristine_message: str,
+    upto: int | None = None,
+) -> None:
+    """Create ``dest`` as the applied work tree of layers ``1..upto``.
+
+    The tree is built beside ``dest`` and moved into place only when every
+    layer applied; an existing ``dest`` is replaced only if it holds nothing
+    that the patches do not.
+    """
+    layers = stack.upto(upto)
+    guard_existing(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        lay_out_pristine(staging)
+        git(staging, "init", "-q", "-b", "main")
+        commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
+        git(staging, "tag", UPSTREAM_TAG)
+        for layer in layers:
+            apply_layer(staging, stack, layer)
+            date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
+            commit_all(staging, layer.patch.commit_message(), date=date)
+            git(staging, "tag", layer_tag(layer.number))
+        write_marker(staging, len(layers))
+        if dest.exists():
+            shutil.rmtree(dest)
+        staging.rename(dest)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
