@@ -68,7 +68,7 @@ def build(
     local = f"stack.{stack_hash[:12]}"
     changes = tree_changes(tree, rev)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob(f"{pin.name}-*.whl"):
+    for old in out_dir.glob(f"{pin.name}-{pin.version}+stack.*.whl"):
         old.unlink()
     wheel = build_wheel(upstream_wheel, changes, local, out_dir)
     version = f"{pin.version}+{local}"

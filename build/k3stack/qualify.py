@@ -1,0 +1,341 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Per-layer qualification: every prefix applied, installed and tested.
+
+For each prefix 1..N: apply, install the payload over a pristine install of
+the upstream wheel with the same installer the image runs, import every module
+the prefix adds, run layer N's focused suite, and run the upstream tests layer
+N names. Upstream tests are judged against the same tests on pristine
+upstream: a test that passes there must pass on the stack; the ones that fail
+there (no model hub, no GPU) are listed in the baseline, never hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.artifacts import INSTALLER, build
+from k3stack.fetch import fetch
+from k3stack.gitutil import git_bytes
+from k3stack.pin import Pin
+from k3stack.series import Layer, Stack
+from k3stack.upstream import extract_sdist
+from k3stack.worktree import UPSTREAM_TAG, build_tree, layer_tag
+
+TEST_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+PER_TEST_TIMEOUT_S = 300
+
+
+@dataclass
+class Outcomes:
+    """Test id -> 'passed' | 'failed' | 'skipped' from one JUnit XML file."""
+
+    results: dict[str, str] = field(default_factory=dict)
+
+    def count(self, state: str) -> int:
+        return sum(1 for s in self.results.values() if s == state)
+
+
+@dataclass
+class Row:
+    layer: str
+    applies: str = "-"
+    imports: str = "-"
+    focused: str = "-"
+    upstream: str = "-"
+    ok: bool = True
+    passed: int = 0
+    failed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def read_junit(path: Path) -> Outcomes:
+    outcomes = Outcomes()
+    if not path.is_file():
+        return outcomes
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            state = "failed"
+        elif case.find("skipped") is not None:
+            state = "skipped"
+        else:
+            state = "passed"
+        outcomes.results[test_id] = state
+    return outcomes
+
+
+def run_pytest(
+    python: str, cwd: Path, site: Path, targets: list[str], junit: Path, extra_path: list[Path]
+) -> tuple[int, Outcomes]:
+    env = {**os.environ, **TEST_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in [site, *extra_path])
+    cmd = [
+        python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+        f"--timeout={PER_TEST_TIMEOUT_S}", f"--junitxml={junit}", *targets,
+    ]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    tail = proc.stdout.strip().splitlines()[-1:] or [""]
+    print(f"qualify:   pytest {' '.join(targets)[:90]} -> {tail[0][:120]}", flush=True)
+    if proc.returncode not in (0, 1, 5):
+        print(proc.stdout[-4000:], file=sys.stderr)
+    return proc.returncode, read_junit(junit)
+
+
+def install_site(python: str, pristine: Path, payload: Path, site: Path) -> None:
+    """A copy of the pristine install (hard links) with the payload installed."""
+    if site.exists():
+        shutil.rmtree(site)
+    shutil.copytree(pristine, site, copy_function=os.link, symlinks=True)
+    proc = subprocess.run(
+        [python, str(payload / "install.py"), "--payload", str(payload), "--site", str(site)],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise StackError(f"install into {site} failed: {proc.stderr.strip()[-300:]}")
+
+
+def pristine_site(python: str, wheel: Path, work: Path) -> Path:
+    site = work / "site-0"
+    stamp = site / ".k3stack-wheel"
+    key = f"{wheel.name} {wheel.stat().st_size}"
+    if stamp.is_file() and stamp.read_text() == key:
+        return site
+    if site.exists():
+        shutil.rmtree(site)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+         "--target", str(site), str(wheel)],
+        check=True,
+    )
+    stamp.write_text(key)
+    return site
+
+
+def export_tests(tree: Path, rev: str, dest: Path, paths: list[str]) -> None:
+    """The upstream tests of ``rev`` (the tests/ tree and pyproject.toml)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    data = git_bytes(tree, "archive", "--format=tar", rev, "tests", "pyproject.toml")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    missing = [p for p in paths if not (dest / p).exists()]
+    if missing:
+        raise StackError(f"upstream tests not in the tree at {rev}: {', '.join(missing)}")
+
+
+def overlay_modules(layers: list[Layer]) -> list[str]:
+    modules = []
+    for layer in layers:
+        for rel in layer.patch.overlay:
+            if rel.endswith(".py"):
+                mod = rel.removesuffix(".py").replace("/", ".")
+                modules.append(mod.removesuffix(".__init__"))
+    return modules
+
+
+def check_imports(python: str, site: Path, modules: list[str]) -> list[str]:
+    script = (
+        "import importlib, sys\n"
+        "bad = []\n"
+        "for m in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except Exception as e:\n"
+        "        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [python, "-c", script, "vllm", "vllm.envs", *modules],
+        capture_output=True, text=True, env=env,
+    )
+    if proc.returncode != 0:
+        return [proc.stderr.strip().splitlines()[-1]]
+    return [line for line in proc.stdout.splitlines() if line]
+
+
+def baseline(
+    python: str, tree: Path, site0: Path, tests: list[str], work: Path, out: Path
+) -> Outcomes:
+    """Outcomes of ``tests`` on pristine upstream, cached by their inputs."""
+    if not tests:
+        return Outcomes()
+    digest = hashlib.sha256(sys.version.encode())
+    digest.update((site0 / ".k3stack-wheel").read_bytes())
+    digest.update(git_bytes(tree, "rev-parse", f"{UPSTREAM_TAG}:tests"))
+    digest.update("\0".join(sorted(tests)).encode())
+    cache = work / f"baseline-{digest.hexdigest()[:16]}.json"
+    if cache.is_file():
+        outcomes = Outcomes(json.loads(cache.read_text()))
+    else:
+        dest = work / "tests-0"
+        export_tests(tree, UPSTREAM_TAG, dest, tests)
+        _, outcomes = run_pytest(
+            python, dest, site0, sorted(tests), out / "baseline.xml", []
+        )
+        cache.write_text(json.dumps(outcomes.results, indent=1, sort_keys=True))
+    failing = sorted(t for t, s in outcomes.results.items() if s != "passed")
+    (out / "baseline.json").write_text(
+        json.dumps({"tests": sorted(tests), "not_passing_on_pristine": failing},
+                   indent=2) + "\n"
+    )
+    return outcomes
+
+
+def qualify_layer(
+    stack: Stack, pin: Pin, layer: Layer, tree: Path, wheel: Path, site0: Path,
+    base: Outcomes, python: str, work: Path, out: Path,
+) -> Row:
+    row = Row(f"{layer.number} {layer.name}")
+    n = layer.number
+    result = build(stack, pin, tree, wheel, work / f"dist-{n}", n)
+    row.applies = "yes"
+    site = work / f"site-{n}"
+    install_site(python, site0, result.context / "stack", site)
+    bad = check_imports(python, site, overlay_modules(stack.upto(n)))
+    row.imports = "ok" if not bad else f"FAIL ({len(bad)})"
+    row.notes += bad
+    junits = []
+    empty = not layer.patch.files and not layer.patch.overlay
+    suite = [p for p in layer.patch.suite if (stack.root / p).exists()]
+    if suite:
+        junit = out / f"layer-{n}-focused.xml"
+        code, focused = run_pytest(python, stack.root, site, suite, junit, [])
+        junits.append(junit)
+        p, f, s = focused.count("passed"), focused.count("failed"), focused.count("skipped")
+        row.focused = f"{p} passed, {f} failed" + (f", {s} skipped" if s else "")
+        row.passed += p
+        row.failed += f
+        if f or code not in (0,) or (p == 0 and not empty):
+            row.ok = False
+    else:
+        row.focused = "empty layer" if empty else "FAIL (no suite)"
+        row.ok = row.ok and empty
+    tests = layer.patch.upstream_tests
+    if tests:
+        dest = work / f"tests-{n}"
+        export_tests(tree, layer_tag(n), dest, tests)
+        junit = out / f"layer-{n}-upstream.xml"
+        _, now = run_pytest(python, dest, site, sorted(tests), junit, [])
+        junits.append(junit)
+        regressions = sorted(
+            t for t, s in now.results.items()
+            if s != "passed" and base.results.get(t, "passed") == "passed"
+        )
+        known = sum(1 for t, s in now.results.items() if s != "passed") - len(regressions)
+        row.upstream = (
+            f"{now.count('passed')} passed, {len(regressions)} regressions, "
+            f"{known} fail on pristine too"
+        )
+        row.passed += now.count("passed")
+        row.failed += len(regressions)
+        row.notes += [f"regression: {t}" for t in regressions]
+        row.ok = row.ok and not regressions and bool(now.results)
+    if bad:
+        row.ok = False
+    _combine_junit(junits, out / f"layer-{n}.xml")
+    return row
+
+
+def _combine_junit(files: list[Path], target: Path) -> None:
+    root = ET.Element("testsuites")
+    for path in files:
+        if path.is_file():
+            parsed = ET.parse(path).getroot()
+            suites = [parsed] if parsed.tag == "testsuite" else list(parsed)
+            for suite in suites:
+                suite.set("name", path.stem)
+                root.append(suite)
+    ET.ElementTree(root).write(target, encoding="utf-8", xml_declaration=True)
+
+
+def render_table(rows: list[Row]) -> str:
+    lines = [
+        "| layer | applies | imports | focused | upstream (vs pristine) | result |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.layer} | {r.applies} | {r.imports} | {r.focused} | {r.upstream} | "
+            f"{'ok' if r.ok else 'FAIL'} |"
+        )
+    return "\n".join(lines)
+
+
+def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
+    start = time.monotonic()
+    work = stack.root / ".work" / "qualify"
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"qualify: validate ok ({len(stack.layers)} layers)", flush=True)
+    targets = [stack.layer(args.layer)] if args.layer else stack.layers
+    rows = [Row("tooling", applies="n/a", imports="n/a", upstream="n/a")]
+    code, tooling = run_pytest(
+        args.python, stack.root, stack.root / "build", ["tests/tooling"],
+        out / "tooling.xml", [],
+    )
+    rows[0].focused = f"{tooling.count('passed')} passed, {tooling.count('failed')} failed"
+    rows[0].passed, rows[0].failed = tooling.count("passed"), tooling.count("failed")
+    rows[0].ok = code == 0 and tooling.count("passed") > 0
+
+    sdist = fetch(pin.sdist, pin.name)
+    wheel = fetch(pin.wheel(), pin.name)
+    tree = work / "tree"
+    if tree.exists():
+        shutil.rmtree(tree)
+    upto = max(layer.number for layer in targets)
+    try:
+        build_tree(stack, tree, lambda d: extract_sdist(sdist, d),
+                   f"{pin.name} {pin.version} pristine\n", upto)
+    except StackError as e:
+        rows.append(Row(f"apply 1..{upto}", applies=f"FAIL: {e}", ok=False))
+        _finish(rows, out, start)
+        return
+    site0 = pristine_site(args.python, wheel, work)
+    wanted = sorted({t for layer in targets for t in layer.patch.upstream_tests})
+    base = baseline(args.python, tree, site0, wanted, work, out)
+    for layer in targets:
+        print(f"qualify: layer {layer.number} ({layer.name})", flush=True)
+        rows.append(qualify_layer(
+            stack, pin, layer, tree, wheel, site0, base, args.python, work, out
+        ))
+    _finish(rows, out, start)
+
+
+def _finish(rows: list[Row], out: Path, start: float) -> None:
+    table = render_table(rows)
+    notes = [f"- {r.layer}: {n}" for r in rows for n in r.notes]
+    (out / "summary.md").write_text(table + "\n\n" + "\n".join(notes) + "\n")
+    print(table)
+    for note in notes[:40]:
+        print(note)
+    passed = sum(r.passed for r in rows)
+    failed = sum(r.failed for r in rows)
+    print(f"qualify: JUnit XML and summary in {out} ({time.monotonic() - start:.0f} s)")
+    bad = [r.layer for r in rows if not r.ok]
+    print(f"qualify: {passed} passed, {failed} failed")
+    if bad:
+        raise StackError(f"qualify failed for: {', '.join(bad)}")

@@ -1,0 +1,265 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Try every layer on another upstream and classify it.
+
+Classes: ``clean`` (applies exactly), ``3-way`` (git's three-way merge lands
+it), ``already-upstream`` (its change is there already: the diff reverse-
+applies, or the merge comes out empty), ``conflict`` (files and hunks listed).
+Layers that land are stacked so later layers are tried on top of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from k3stack import StackError
+from k3stack.fetch import cache_dir, download, pip_index_url, project_files, sha256_file
+from k3stack.gitutil import git
+from k3stack.patchfile import HunkMismatch, apply_exact
+from k3stack.pin import PIN_FILE, Pin
+from k3stack.series import Layer, Stack
+from k3stack.upstream import export_checkout, extract_sdist
+from k3stack.worktree import commit_all, layer_tag
+
+_CONFLICT_START = re.compile(r"^<{7}( |$)")
+_CONFLICT_END = re.compile(r"^>{7}( |$)")
+
+
+@dataclass
+class LayerResult:
+    number: int
+    patch: str
+    status: str
+    files: list[str] = field(default_factory=list)
+    hunks: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def _exact_failures(tree: Path, layer: Layer, reverse: bool) -> list[str]:
+    failures = []
+    for fp in layer.patch.files:
+        target = tree / fp.path
+        if not target.is_file():
+            failures.append(f"{fp.path}: missing")
+            continue
+        try:
+            apply_exact(target.read_bytes(), fp.reversed() if reverse else fp)
+        except HunkMismatch as e:
+            failures.append(str(e))
+    return failures
+
+
+def _overlay_state(tree: Path, stack: Stack, layer: Layer) -> str:
+    """'absent', 'identical' (all there already) or 'clash'."""
+    states = set()
+    for rel in layer.patch.overlay:
+        target = tree / rel
+        if not target.exists():
+            states.add("absent")
+        elif target.read_bytes() == (stack.overlay_dir / rel).read_bytes():
+            states.add("identical")
+        else:
+            states.add("clash")
+    if "clash" in states or len(states) > 1:
+        return "clash"
+    return states.pop() if states else "absent"
+
+
+def _conflict_hunks(tree: Path, path: str) -> list[str]:
+    ranges, start = [], None
+    text = (tree / path).read_text(errors="replace").splitlines()
+    for number, line in enumerate(text, start=1):
+        if _CONFLICT_START.match(line):
+            start = number
+        elif _CONFLICT_END.match(line) and start is not None:
+            ranges.append(f"{path}:{start}-{number}")
+            start = None
+    return ranges
+
+
+def classify(stack: Stack, tree: Path, new_upstream: Path, message: str) -> list[LayerResult]:
+    """Classify every layer of the applied ``tree`` on ``new_upstream``."""
+    git(tree, "checkout", "-q", "--orphan", "rebase-target")
+    git(tree, "rm", "-rfq", "--cached", ".")
+    git(tree, "clean", "-fdxq")
+    for item in tree.iterdir():
+        if item.name != ".git":
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    shutil.copytree(new_upstream, tree, dirs_exist_ok=True)
+    commit_all(tree, message, date="1980-01-01T00:00:00+0000")
+    results = []
+    for layer in stack.layers:
+        result = LayerResult(layer.number, layer.name, "")
+        results.append(result)
+        overlay = _overlay_state(tree, stack, layer)
+        exact = _exact_failures(tree, layer, reverse=False)
+        if not exact and overlay == "absent":
+            result.status = "clean"
+            _land(tree, layer, stack)
+            continue
+        if not layer.patch.files and overlay == "absent":
+            result.status = "clean"
+            continue
+        if not _exact_failures(tree, layer, reverse=True) and overlay == "identical":
+            result.status = "already-upstream"
+            result.note = "the diff reverse-applies and the overlay files are present"
+            continue
+        git(tree, "cherry-pick", "--no-commit", layer_tag(layer.number), check=False)
+        conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").splitlines()
+        if conflicted or overlay == "clash":
+            result.status = "conflict"
+            result.files = conflicted + (
+                [f"overlay: {rel}" for rel in layer.patch.overlay]
+                if overlay == "clash"
+                else []
+            )
+            result.hunks = exact + [
+                r for path in conflicted for r in _conflict_hunks(tree, path)
+            ]
+            git(tree, "cherry-pick", "--abort", check=False)
+            git(tree, "reset", "-q", "--hard")
+            git(tree, "clean", "-fdq")
+            result.note = "later layers were tried without this one"
+            continue
+        if not git(tree, "diff", "--cached", "--name-only"):
+            result.status = "already-upstream"
+            result.note = "the three-way merge comes out empty"
+            git(tree, "cherry-pick", "--abort", check=False)
+            git(tree, "reset", "-q", "--hard")
+            continue
+        result.status = "3-way"
+        result.files = sorted({h.split(" hunk ")[0] for h in exact})
+        result.hunks = exact
+        commit_all(tree, layer.patch.commit_message(), date="1980-01-01T00:00:00+0000")
+    return results
+
+
+def _land(tree: Path, layer: Layer, stack: Stack) -> None:
+    for fp in layer.patch.files:
+        target = tree / fp.path
+        if fp.deleted:
+            target.unlink()
+        else:
+            target.write_bytes(apply_exact(target.read_bytes(), fp))
+    for rel in layer.patch.overlay:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(stack.overlay_dir / rel, tree / rel)
+    commit_all(tree, layer.patch.commit_message(), date="1980-01-01T00:00:00+0000")
+
+
+def render_report(target: str, results: list[LayerResult]) -> str:
+    lines = [
+        f"# Rebase report: the stack on {target}",
+        "",
+        "| layer | patch | result | files | hunks | note |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.number} | {r.patch} | {r.status} | {'<br>'.join(r.files)} | "
+            f"{'<br>'.join(r.hunks)} | {r.note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def fetch_release(pin: Pin, version: str) -> tuple[Path, dict]:
+    """Download another release's sdist (hash recorded, not pinned)."""
+    files = project_files(pip_index_url(), pin.name)
+    sdist_name = f"{pin.name}-{version}.tar.gz"
+    if sdist_name not in files:
+        raise StackError(f"{sdist_name} is not on the index")
+    target = cache_dir() / sdist_name
+    if not target.exists():
+        download(files[sdist_name], target)
+    wheels = {
+        name: url
+        for name, url in files.items()
+        if name.startswith(f"{pin.name}-{version}-") and name.endswith(".whl")
+    }
+    return target, {"sdist": sdist_name, "wheels": wheels}
+
+
+def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
+    from k3stack.cli import do_apply
+
+    work = Path(tempfile.mkdtemp(prefix="k3stack-rebase-"))
+    try:
+        tree = work / "tree"
+        do_apply(stack, pin, tree, None, None)
+        new = work / "new"
+        if args.checkout is not None:
+            head = export_checkout(args.checkout, new)
+            target = f"{args.checkout} at {head[:12]}"
+            info: dict = {"checkout": str(args.checkout), "commit": head}
+        else:
+            sdist, info = fetch_release(pin, args.to)
+            extract_sdist(sdist, new)
+            info["sdist_sha256"] = sha256_file(sdist)
+            target = f"{pin.name} {args.to}"
+        results = classify(stack, tree, new, f"{target}\n")
+        args.report.mkdir(parents=True, exist_ok=True)
+        (args.report / "report.md").write_text(render_report(target, results))
+        (args.report / "report.json").write_text(
+            json.dumps(
+                {"target": info, "layers": [asdict(r) for r in results]},
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
+        for r in results:
+            print(f"rebase: layer {r.number} {r.patch}: {r.status}")
+            for hunk in r.hunks:
+                print(f"rebase:   {hunk}")
+        print(f"rebase: report in {args.report}/report.md")
+        if args.write_pin:
+            if args.to is None:
+                raise StackError("--write-pin needs --to VERSION (a release)")
+            write_pin(pin, args.to, new, sdist, info)
+            print(f"rebase: pinned {pin.name} {args.to} in {PIN_FILE}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_pin(pin: Pin, version: str, tree: Path, sdist: Path, info: dict) -> None:
+    """Re-pin to ``version``: hashes of its sdist and wheels, commit from the sdist."""
+    version_file = tree / pin.name / "_version.py"
+    match = re.search(r"commit_id = '(?:g)?([0-9a-f]+)'", version_file.read_text())
+    if not match:
+        raise StackError(f"{version_file}: no commit id")
+    wheels = {}
+    for name, url in sorted(info["wheels"].items()):
+        arch = next((a for a in ("x86_64", "aarch64") if name.endswith(f"{a}.whl")), "")
+        if not arch:
+            continue
+        target = cache_dir() / name
+        if not target.exists():
+            download(url, target)
+        wheels[arch] = (name, target.stat().st_size, sha256_file(target))
+    lines = [
+        "# The pinned upstream release the patch stack applies to. The tooling refuses",
+        "# any input whose sha256 differs from these values.",
+        "",
+        "[upstream]",
+        f'name = "{pin.name}"',
+        f'version = "{version}"',
+        f'commit = "{match.group(1)[:9]}"',
+        "",
+        "[upstream.sdist]",
+        f'filename = "{sdist.name}"',
+        f"size = {sdist.stat().st_size}",
+        f'sha256 = "{sha256_file(sdist)}"',
+    ]
+    for arch, (name, size, sha) in sorted(wheels.items()):
+        lines += ["", f"[upstream.wheels.{arch}]", f'filename = "{name}"',
+                  f"size = {size}", f'sha256 = "{sha}"']
+    base = pin.base_image.rsplit(":", 1)[0]
+    lines += ["", "[image]", "# The official image of the same release; the stack "
+              "adds one small layer on it.", f'base = "{base}:v{version}"', ""]
+    PIN_FILE.write_text("\n".join(lines))

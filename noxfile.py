@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The user interface of the overlay: one nox session per task.
+
+The logic lives in ``build/k3stack`` (standard library only), so apply,
+refresh, rebase and build run in nox's own interpreter with no environment to
+create; qualify, lint, typecheck, gpu and bench get environments of their own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+REQUIREMENTS = ROOT / "build" / "requirements-qualify.txt"
+TOOLS = ["ruff==0.14.4", "mypy==1.18.2"]
+LINT_PATHS = ["overlay", "build", "tests", "bench", "noxfile.py"]
+
+nox.options.sessions = ["apply", "build"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+
+def _stack(session: nox.Session, *args: str) -> None:
+    session.run(
+        sys.executable, "-m", "k3stack", *args, env={"PYTHONPATH": str(ROOT / "build")},
+        external=True,
+    )
+
+
+@nox.session(venv_backend="none")
+def apply(session: nox.Session) -> None:
+    """Lay out the pinned upstream and commit each layer (``-- --upto N``)."""
+    _stack(session, "apply", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def refresh(session: nox.Session) -> None:
+    """Write the work tree's layer commits back to patches/ and overlay/."""
+    _stack(session, "refresh", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def rebase(session: nox.Session) -> None:
+    """Classify every layer on another upstream (``-- --to VERSION``)."""
+    _stack(session, "rebase", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Patched wheel, image context and lock from the applied tree."""
+    _stack(session, "build", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def validate(session: nox.Session) -> None:
+    """Check the series and the overlay ownership."""
+    _stack(session, "validate")
+
+
+@nox.session
+def qualify(session: nox.Session) -> None:
+    """Every prefix of the stack: apply, install, import, suites (``-- --layer N``)."""
+    session.install("-r", str(REQUIREMENTS))
+    _stack(session, "qualify", "--python", str(Path(session.bin) / "python"),
+           *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check; also validates the series."""
+    _stack(session, "validate")
+    session.install(TOOLS[0])
+    session.run("ruff", "check", *LINT_PATHS)
+    session.run("ruff", "format", "--check", *LINT_PATHS)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the overlay, the tooling, the tests and this file."""
+    session.install(TOOLS[1], "nox", "pytest", "numpy", "pyzmq", "prometheus_client")
+    session.run("mypy", *LINT_PATHS)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The GPU-marked tests, on a machine with CUDA."""
+    probe = session.run(
+        "python3", "-c", "import torch; print(torch.cuda.is_available())",
+        silent=True, success_codes=[0, 1], external=True,
+    )
+    if not probe or "True" not in probe:
+        session.skip("no CUDA device here: the GPU tests run on a machine with one")
+    session.run("python3", "-m", "pytest", "-q", "-m", "gpu", "tests", external=True)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The benchmarks (figures are written down, never asserted)."""
+    session.install("-r", str(REQUIREMENTS))
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        session.run("python", str(script), *session.posargs)

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""apply lays out the stack as commits; refresh takes them back exactly."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from conftest import UPSTREAM_FILES, Synthetic
+
+from k3stack import StackError
+from k3stack.gitutil import git
+from k3stack.refresh import refresh
+
+
+def snapshot(syn: Synthetic) -> dict[str, bytes]:
+    return {
+        p.relative_to(syn.root).as_posix(): p.read_bytes()
+        for d in ("patches", "overlay")
+        for p in sorted((syn.root / d).rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_apply_commits_pristine_then_one_commit_per_layer(filled: Synthetic) -> None:
+    filled.apply()
+    log = git(filled.tree, "log", "--format=%s", "--reverse").splitlines()
+    assert log == ["vllm 1.0 pristine", "Layer 1", "Layer 2", "Layer 3"]
+    assert (filled.tree / "vllm/remote/__init__.py").read_text() == "PORT = 1\n"
+    assert "SETTING_5 = 55\n" in (filled.tree / "vllm/envs.py").read_text()
+    assert git(filled.tree, "tag", "--points-at", "HEAD~3") == "upstream"
+
+
+def test_apply_upto_stops_after_that_layer(filled: Synthetic) -> None:
+    filled.apply(upto=1)
+    assert git(filled.tree, "log", "-1", "--format=%s") == "Layer 1"
+    assert not (filled.tree / "vllm/logits.py").exists()
+
+
+def test_refresh_right_after_apply_changes_nothing(filled: Synthetic) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    assert refresh(filled.stack(), filled.tree) == []
+    assert snapshot(filled) == before
+
+
+def test_refresh_takes_an_edit_into_its_own_layer_only(filled: Synthetic) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    filled.amend(2, {"vllm/logits.py": "TOPK = 16\n"})
+    changed = refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 1))
+    after = snapshot(filled)
+    assert changed == ["overlay/vllm/logits.py: updated", "patches/0002-layer-2.patch: updated"]
+    assert after["overlay/vllm/logits.py"] == b"TOPK = 16\n"
+    assert b"Last-Update: 2026-12-01" in after["patches/0002-layer-2.patch"]
+    for untouched in ("patches/0001-layer-1.patch", "patches/0003-layer-3.patch"):
+        assert after[untouched] == before[untouched]
+
+
+def test_refresh_gives_a_new_file_to_the_layer_that_added_it(filled: Synthetic) -> None:
+    filled.apply()
+    filled.amend(3, {"vllm/deferred.py": "ON = True\n"})
+    refresh(filled.stack(), filled.tree)
+    assert filled.stack().layer(3).patch.overlay == ["vllm/deferred.py"]
+    assert (filled.root / "overlay/vllm/deferred.py").read_text() == "ON = True\n"
+
+
+def test_refresh_refuses_a_layer_that_edits_a_lower_layers_file(filled: Synthetic) -> None:
+    filled.apply()
+    filled.amend(3, {"vllm/logits.py": "TOPK = 1\n"})
+    with pytest.raises(StackError, match="lower layer owns"):
+        refresh(filled.stack(), filled.tree)
+
+
+def test_apply_refuses_a_tree_with_uncommitted_edits_and_keeps_them(
+    filled: Synthetic,
+) -> None:
+    (filled.tree / "vllm/envs.py").write_text("edited\n")
+    with pytest.raises(StackError, match="uncommitted edits"):
+        filled.apply()
+    assert (filled.tree / "vllm/envs.py").read_text() == "edited\n"
+
+
+def test_apply_refuses_a_tree_with_commits_not_yet_refreshed(filled: Synthetic) -> None:
+    filled.amend(1, {"vllm/envs.py": "changed\n"})
+    head = git(filled.tree, "rev-parse", "HEAD")
+    with pytest.raises(StackError, match="refresh"):
+        filled.apply()
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+
+
+def test_refresh_refuses_uncommitted_edits_and_keeps_them(filled: Synthetic) -> None:
+    filled.apply()
+    (filled.tree / "vllm/model.py").write_text("half-done\n")
+    before = snapshot(filled)
+    with pytest.raises(StackError, match="uncommitted edits"):
+        refresh(filled.stack(), filled.tree)
+    assert (filled.tree / "vllm/model.py").read_text() == "half-done\n"
+    assert snapshot(filled) == before
+
+
+def test_refresh_refuses_extra_commits_until_squashed(filled: Synthetic) -> None:
+    filled.apply()
+    (filled.tree / "vllm/model.py").write_text("fixup\n")
+    git(filled.tree, "commit", "-qam", "fixup! Layer 2")
+    with pytest.raises(StackError, match="squash"):
+        refresh(filled.stack(), filled.tree)
+
+
+def test_a_layer_that_would_need_fuzz_names_layer_file_and_hunk(
+    filled: Synthetic, tmp_path
+) -> None:
+    from conftest import make_sdist
+
+    shifted = dict(UPSTREAM_FILES)
+    shifted["vllm/model.py"] = "# a new first line\n" + shifted["vllm/model.py"]
+    sdist = make_sdist(tmp_path / "shifted.tar.gz", shifted)
+    with pytest.raises(StackError) as info:
+        filled.apply(sdist=sdist)
+    message = str(info.value)
+    assert "layer 2 (0002-layer-2.patch) does not apply" in message
+    assert "vllm/model.py hunk 1 (@@ -59,7 +59,7 @@" in message
+
+
+def test_a_failed_apply_leaves_the_existing_tree_as_it_was(
+    filled: Synthetic, tmp_path
+) -> None:
+    from conftest import make_sdist
+
+    filled.apply()
+    head = git(filled.tree, "rev-parse", "HEAD")
+    broken = dict(UPSTREAM_FILES, **{"vllm/envs.py": "SETTING_5 = 7\n"})
+    with pytest.raises(StackError, match="layer 1"):
+        filled.apply(sdist=make_sdist(tmp_path / "broken.tar.gz", broken))
+    assert git(filled.tree, "rev-parse", "HEAD") == head

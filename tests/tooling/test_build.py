@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The patched wheel, the image payload and its installer."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import Synthetic
+
+from k3stack.artifacts import build, docker_build
+from k3stack.fetch import sha256_file
+
+INSTALLER = Path(__file__).resolve().parents[2] / "build" / "k3stack" / "install.py"
+
+
+def build_into(syn: Synthetic, out: Path):
+    return build(syn.stack(), syn.pin, syn.tree, syn.wheel, out, layers=3)
+
+
+def test_two_builds_give_the_same_wheel_sha256(filled: Synthetic, tmp_path: Path) -> None:
+    filled.apply()
+    first = build_into(filled, tmp_path / "a")
+    second = build_into(filled, tmp_path / "b")
+    assert first.wheel.name == second.wheel.name
+    assert sha256_file(first.wheel) == sha256_file(second.wheel)
+    assert first.lock.read_bytes() == second.lock.read_bytes()
+
+
+def test_the_wheel_carries_a_local_version_and_a_valid_record(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    local = filled.stack().stack_hash(3)[:12]
+    assert result.wheel.name.startswith(f"vllm-1.0+stack.{local}-cp38-abi3")
+    with zipfile.ZipFile(result.wheel) as zf:
+        assert zf.testzip() is None
+        dist_info = f"vllm-1.0+stack.{local}.dist-info"
+        assert f"Version: 1.0+stack.{local}\n" in zf.read(f"{dist_info}/METADATA").decode()
+        rows = list(csv.reader(io.StringIO(zf.read(f"{dist_info}/RECORD").decode())))
+        names = {i.filename for i in zf.infolist()}
+        assert {row[0] for row in rows} == names
+        for name, digest, size in rows:
+            if name.endswith("RECORD"):
+                continue
+            data = zf.read(name)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            assert digest == "sha256=" + expected.rstrip(b"=").decode(), name
+            assert int(size) == len(data)
+        assert zf.read("vllm/logits.py") == b"TOPK = 64\n"
+        assert b"SETTING_5 = 55" in zf.read("vllm/envs.py")
+        assert zf.read("vllm/_C.abi3.so") == bytes(range(256)) * 64
+
+
+def test_the_image_context_holds_only_changed_files_and_labels(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    site = result.context / "stack" / "site"
+    payload = sorted(
+        p.relative_to(site).as_posix() for p in site.rglob("*") if p.is_file()
+    )
+    code = [p for p in payload if not p.startswith("vllm-1.0+")]
+    assert code == [
+        "vllm/envs.py", "vllm/logits.py", "vllm/model.py", "vllm/remote/__init__.py"
+    ]
+    dockerfile = (result.context / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=vllm/vllm-openai:v1.0" in dockerfile
+    assert f'ai.vllm.k3.stack-hash="{filled.stack().stack_hash(3)}"' in dockerfile
+    assert "0001-layer-1.patch,0002-layer-2.patch,0003-layer-3.patch" in dockerfile
+    assert "@" not in dockerfile.replace("@sha", "")
+
+
+def unpack_wheel(wheel: Path, site: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+
+
+def test_the_installer_installs_and_its_self_check_passes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    filled.apply()
+    result = build_into(filled, tmp_path / "dist")
+    site = tmp_path / "site"
+    unpack_wheel(filled.wheel, site)
+    install.install(result.context / "stack", site)
+    assert install.verify(result.context / "stack", site) == []
+    assert (site / "vllm/logits.py").read_text() == "TOPK = 64\n"
+    assert not (site / "vllm-1.0.dist-info").exists()
+
+
+def test_the_self_check_finds_a_file_that_differs_from_the_lock(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    filled.apply()
+    result = build_into(filled, tmp_path / "dist")
+    site = tmp_path / "site"
+    unpack_wheel(filled.wheel, site)
+    install.install(result.context / "stack", site)
+    (site / "vllm/_C.abi3.so").write_bytes(b"not the upstream binary")
+    assert install.verify(result.context / "stack", site) == [
+        "vllm/_C.abi3.so: content differs from RECORD"
+    ]
+
+
+def test_a_tampered_payload_is_refused_before_anything_changes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    filled.apply()
+    result = build_into(filled, tmp_path / "dist")
+    site = tmp_path / "site"
+    unpack_wheel(filled.wheel, site)
+    before = {p: p.read_bytes() for p in site.rglob("*") if p.is_file()}
+    (result.context / "stack" / "site" / "vllm/model.py").write_text("evil\n")
+    with pytest.raises(install.InstallError, match="vllm/model.py: sha256"):
+        install.install(result.context / "stack", site)
+    assert {p: p.read_bytes() for p in site.rglob("*") if p.is_file()} == before
+
+
+def test_the_lock_records_inputs_tree_and_artifacts(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    lock = json.loads(result.lock.read_text())
+    assert lock["upstream"]["sdist"]["sha256"] == filled.pin.sdist.sha256
+    assert lock["upstream"]["wheel"]["sha256"] == filled.pin.wheels["x86_64"].sha256
+    assert [layer["patch"] for layer in lock["stack"]["layers"]] == [
+        "0001-layer-1.patch", "0002-layer-2.patch", "0003-layer-3.patch"
+    ]
+    assert lock["artifacts"]["wheel"]["sha256"] == sha256_file(result.wheel)
+    assert len(lock["tree"]["package_trees"]["vllm"]) == 40
+
+
+def test_no_docker_engine_is_said_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    message = docker_build(tmp_path, "tag")
+    assert message.startswith("docker: no engine answered")
+    assert str(tmp_path) in message and "\n" not in message
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""rebase classifies every layer on another upstream."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import UPSTREAM_FILES, Synthetic, make_sdist
+
+from k3stack.rebase import classify
+from k3stack.upstream import extract_sdist
+
+
+def new_upstream(tmp_path: Path, files: dict[str, str]) -> Path:
+    sdist = make_sdist(tmp_path / "vllm-2.0.tar.gz", files, top="vllm-2.0")
+    dest = tmp_path / "new"
+    extract_sdist(sdist, dest)
+    return dest
+
+
+def test_rebase_tells_clean_three_way_and_already_upstream_apart(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    files = dict(UPSTREAM_FILES)
+    # Layer 2's file moved down: only a three-way merge lands it.
+    files["vllm/model.py"] = "# moved\n" * 5 + files["vllm/model.py"]
+    results = classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    assert [(r.number, r.status) for r in results] == [
+        (1, "clean"), (2, "3-way"), (3, "clean")
+    ]
+    assert results[1].hunks[0].startswith("vllm/model.py hunk 1")
+
+
+def test_rebase_reports_the_conflicting_files_and_hunks(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace("SETTING_5 = 5", "SETTING_5 = 6")
+    results = classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    assert results[0].status == "conflict"
+    assert results[0].files == ["vllm/envs.py"]
+    assert any(h.startswith("vllm/envs.py hunk 1") for h in results[0].hunks)
+    assert any(h.startswith("vllm/envs.py:") for h in results[0].hunks)
+    assert [r.status for r in results[1:]] == ["clean", "clean"]
+
+
+def test_rebase_recognises_a_layer_that_is_already_upstream(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace("SETTING_5 = 5", "SETTING_5 = 55")
+    files["vllm/remote/__init__.py"] = "PORT = 1\n"
+    results = classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    assert results[0].status == "already-upstream"
+    assert [r.status for r in results[1:]] == ["clean", "clean"]
