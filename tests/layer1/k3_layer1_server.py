@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Helpers of the layer-1 tests: a real draft server process and a raw client.
+
+``DraftServerProcess`` runs ``python -m vllm.entrypoints.k3_dspark_standalone
+--engine reference --device cpu`` with ``DEFAULT_OPTIONS`` (overridable) on an
+ipc path or a free loopback TCP port, waits for ``/readyz`` and stops the
+process on ``stop()``. ``RawClient`` sends arbitrary frames over a REQ socket
+and renews the socket after a timeout. ``propose_message`` builds a PROPOSE.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from vllm.k3_draft import protocol
+
+# A small reference draft and bounds that the layer-1 tests rely on.
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "method": "dflash",
+    "vocab_size": 1024,
+    "context_width": 192,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "seed": 0,
+    "max_requests": 16,
+    "max_num_seqs": 8,
+    "max_speculative_tokens": 4,
+    "max_context_tokens": 1024,
+    "max_model_len": 4096,
+    "block_size": 16,
+    "window_size": 64,
+    "prefix_cache_tokens": 128,
+}
+_START_TIMEOUT_S = 180.0
+
+
+def free_tcp_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cli_args(options: dict[str, Any]) -> list[str]:
+    """``--name value`` pairs (``True`` -> bare flag, ``None`` -> omitted)."""
+    args: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not None and value is not False:
+            args += [flag, str(value)]
+    return args
+
+
+class DraftServerProcess:
+    """A reference-engine draft server process on loopback."""
+
+    def __init__(self, workdir: Path, address: str | None = None, **options: Any):
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.address = address or f"ipc://{workdir}/draft.ipc"
+        self.options = {**DEFAULT_OPTIONS, **options}
+        self.status_port = free_tcp_port()
+        self.log_path = workdir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def status_url(self) -> str:
+        return f"http://127.0.0.1:{self.status_port}"
+
+    def command(self) -> list[str]:
+        options = {
+            "engine": "reference",
+            "device": "cpu",
+            "address": self.address,
+            "status_port": self.status_port,
+            **self.options,
+        }
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.k3_dspark_standalone",
+            *cli_args(options),
+        ]
+
+    def start(self) -> DraftServerProcess:
+        """Start and wait until ``/readyz`` answers 200."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"draft server exited:\n{self.log_tail()}")
+            if self.http("/readyz")[0] == 200:
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"draft server not ready:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        """Terminate (then kill) the process; returns its exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def restart(self) -> DraftServerProcess:
+        self.stop()
+        self.status_port = free_tcp_port()
+        return self.start()
+
+    def http(self, path: str) -> tuple[int, bytes]:
+        """(status code, body) of ``GET path``; (0, b"") when unreachable."""
+        try:
+            with urllib.request.urlopen(self.status_url + path, timeout=5) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except OSError:
+            return 0, b""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class RawClient:
+    """A REQ socket that sends any frames and renews itself after a timeout."""
+
+    def __init__(
+        self,
+        address: str,
+        timeout_ms: int = 10000,
+        curve: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
+        """``curve``: (client public, client secret, server public) keys."""
+        self.address = address
+        self.timeout_ms = timeout_ms
+        self.curve = curve
+        self.context = zmq.Context()
+        self.socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        if self.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self.curve
+        sock.connect(self.address)
+        return sock
+
+    def send_frames(self, frames: Sequence[Any]) -> list[bytes]:
+        """Reply frames; raises ``zmq.Again`` (socket renewed) on timeout."""
+        try:
+            self.socket.send_multipart(list(frames))
+            return self.socket.recv_multipart()
+        except zmq.Again:
+            self.socket.close(linger=0)
+            self.socket = self._connect()
+            raise
+
+    def call(
+        self, op: str, frames: Sequence[Any] = (), **fields: Any
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        """(reply header, reply tensor frames) of a request ``op``."""
+        header = protocol.encode_header(protocol.request_header(op, **fields))
+        reply = self.send_frames([header, *frames])
+        return json.loads(reply[0]), reply[1:]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+def entry(
+    request_id: str,
+    anchor_position: int,
+    count: int = 0,
+    reset: bool = False,
+    reset_position: int = 0,
+    anchor_token_id: int = 7,
+) -> dict[str, Any]:
+    """One PROPOSE request entry."""
+    return {
+        "request_id": request_id,
+        "reset": reset,
+        "reset_position": reset_position,
+        "context_count": count,
+        "anchor_token_id": anchor_token_id,
+        "anchor_position": anchor_position,
+    }
+
+
+def context_frames(
+    starts_counts: Sequence[tuple[int, int]], width: int, seed: int = 0
+) -> list[memoryview]:
+    """Positions and deterministic bf16 rows for runs of ``(start, count)``."""
+    positions = torch.cat(
+        [torch.arange(start, start + count) for start, count in starts_counts]
+    )
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(positions.numel(), width, generator=generator)
+    rows = rows.to(torch.bfloat16)
+    return [protocol.tensor_frame(positions), protocol.tensor_frame(rows)]
+
+
+def propose_message(
+    entries: Sequence[dict[str, Any]],
+    k: int,
+    width: int,
+    seed: int = 0,
+    **fields: Any,
+) -> list[Any]:
+    """Frames of a PROPOSE whose context rows follow the entries' counts,
+    each run ending at its anchor position."""
+    runs = [
+        (e["anchor_position"] - e["context_count"], e["context_count"])
+        for e in entries
+        if e["context_count"]
+    ]
+    header = protocol.request_header(
+        protocol.OP_PROPOSE, num_speculative_tokens=k, requests=list(entries), **fields
+    )
+    frames = context_frames(runs, width, seed) if runs else []
+    return [protocol.encode_header(header), *frames]

@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The capability registry: how a higher layer extends PROPOSE replies."""
+
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from k3_layer1_server import DEFAULT_OPTIONS, entry, propose_message
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.engine import DraftLimits
+from vllm.k3_draft.protocol import CapabilityRegistry, ProtocolError, ReplyExtension
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.server import DraftServer
+
+WIDTH = DEFAULT_OPTIONS["context_width"]
+VOCAB = DEFAULT_OPTIONS["vocab_size"]
+
+
+class FloatLogits(ReplyExtension):
+    """A test capability: float32 logits of every drafted position."""
+
+    capability = "test_logits_f32_v1"
+    request_fields = ("return_test_logits",)
+    needs_logits = True
+
+    def __init__(self, offered: bool = True) -> None:
+        self.offered = offered
+
+    def is_offered(self, server_info: Mapping[str, Any], engine_logits: bool) -> bool:
+        return self.offered and engine_logits
+
+    def parse_request(self, header, server_info):
+        value = header.get("return_test_logits", False)
+        if type(value) is not bool:
+            raise ProtocolError("return_test_logits must be a boolean")
+        return {} if value else None
+
+    def build_reply(self, options, context):
+        logits = context.logits.float().contiguous()
+        meta = {"dtype": "float32", "shape": list(logits.shape)}
+        return meta, [protocol.tensor_frame(logits)]
+
+
+def make_server(registry: CapabilityRegistry) -> DraftServer:
+    limits = DraftLimits(16, 8, 4, 1024, 4096, 16, 64, 128)
+    model = ReferenceModelConfig(vocab_size=VOCAB, context_width=WIDTH)
+    engine = ReferenceEngine(limits, model, torch.device("cpu"))
+    engine.load()
+    return DraftServer(engine, capabilities=registry)
+
+
+def registry_with(*extensions: ReplyExtension) -> CapabilityRegistry:
+    registry = CapabilityRegistry()
+    for extension in extensions:
+        registry.register(extension)
+    return registry
+
+
+def propose(server: DraftServer, **fields: Any) -> tuple[dict, list]:
+    entries = [entry("a", 10, count=10, reset=True), entry("b", 5, count=5, reset=True)]
+    reply = server.handle(propose_message(entries, 3, WIDTH, **fields))
+    return json.loads(bytes(reply[0])), reply[1:]
+
+
+def test_pong_advertises_an_offered_capability():
+    server = make_server(registry_with(FloatLogits()))
+    pong = json.loads(server.handle([protocol.encode_header(protocol.request_header("PING"))])[0])
+    assert pong["capabilities"] == ["test_logits_f32_v1"]
+
+
+def test_pong_omits_a_capability_that_is_not_offered():
+    server = make_server(registry_with(FloatLogits(offered=False)))
+    pong = json.loads(server.handle([protocol.encode_header(protocol.request_header("PING"))])[0])
+    assert pong["capabilities"] == []
+
+
+def test_greedy_client_gets_exactly_one_frame():
+    header, frames = propose(make_server(registry_with(FloatLogits())))
+    assert header["ok"] and frames == [] and "extensions" not in header
+
+
+def test_requested_capability_appends_its_frames_and_metadata():
+    header, frames = propose(
+        make_server(registry_with(FloatLogits())), return_test_logits=True
+    )
+    parts = protocol.extension_frames(header, frames)
+    meta, ext_frames = parts["test_logits_f32_v1"]
+    assert meta["shape"] == [2, 3, VOCAB] and meta["num_frames"] == 1
+    logits = protocol.frame_tensor(ext_frames[0], torch.float32, (2, 3, VOCAB), "x")
+    assert logits.argmax(-1).tolist() == header["tokens"]
+
+
+def test_field_of_an_unoffered_capability_is_refused():
+    header, _ = propose(
+        make_server(registry_with(FloatLogits(offered=False))),
+        return_test_logits=True,
+    )
+    assert not header["ok"] and "unknown header fields" in header["error"]
+
+
+def test_malformed_capability_field_is_refused_before_state_changes():
+    server = make_server(registry_with(FloatLogits()))
+    header, _ = propose(server, return_test_logits="yes")
+    assert header["error"] == "ProtocolError: return_test_logits must be a boolean"
+    assert server.requests == {}
+
+
+def test_registry_refuses_a_second_extension_of_the_same_name():
+    registry = registry_with(FloatLogits())
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(FloatLogits())
+
+
+def test_extension_frames_refuses_unaccounted_frames():
+    header = {"extensions": [{"capability": "x", "num_frames": 1}]}
+    with pytest.raises(ProtocolError, match="account for 1"):
+        protocol.extension_frames(header, [b"a", b"b"])
+
+
+def test_plugins_in_the_plugin_package_register_at_load(tmp_path, monkeypatch):
+    package = tmp_path / "k3_test_plugins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "logits.py").write_text(
+        "from vllm.k3_draft import protocol\n"
+        "from test_protocol_capabilities import FloatLogits\n"
+        "protocol.CAPABILITIES.register(FloatLogits())\n"
+    )
+    registry = CapabilityRegistry()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(protocol, "PLUGIN_PACKAGE", "k3_test_plugins")
+    monkeypatch.setattr(protocol, "CAPABILITIES", registry)
+    try:
+        protocol.load_capability_plugins()
+        protocol.load_capability_plugins()
+    finally:
+        for name in ("k3_test_plugins", "k3_test_plugins.logits"):
+            sys.modules.pop(name, None)
+    assert [e.capability for e in registry] == ["test_logits_f32_v1"]

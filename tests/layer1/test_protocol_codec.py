@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Wire protocol v2: header and tensor-frame codecs."""
+
+import pytest
+import torch
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.protocol import ProtocolError, RemoteError
+
+
+def test_header_round_trip_keeps_protocol_and_op():
+    header = protocol.request_header("PROPOSE", num_speculative_tokens=3)
+    decoded = protocol.decode_header(protocol.encode_header(header), 1024)
+    assert decoded == {"protocol": 2, "op": "PROPOSE", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("version", [1, 3, "2", True, None, 2.0])
+def test_header_with_another_protocol_version_is_refused(version):
+    frame = protocol.encode_header({"protocol": version, "op": "PING"})
+    with pytest.raises(ProtocolError, match="protocol version"):
+        protocol.decode_header(frame, 1024)
+
+
+def test_header_without_protocol_is_refused():
+    with pytest.raises(ProtocolError, match="protocol version"):
+        protocol.decode_header(b'{"op":"PING"}', 1024)
+
+
+@pytest.mark.parametrize("frame", [b'{"protocol":2}', b'{"protocol":2,"op":""}',
+                                   b'{"protocol":2,"op":5}'])
+def test_header_without_op_string_is_refused(frame):
+    with pytest.raises(ProtocolError, match="no op"):
+        protocol.decode_header(frame, 1024)
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xff\xfe", b"{", b'{"protocol":2,"op":"PING"'])
+def test_header_that_is_not_utf8_json_is_refused(frame):
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+        protocol.decode_header(frame, 1024)
+
+
+@pytest.mark.parametrize("frame", [b"[]", b"2", b'"PING"', b"null"])
+def test_header_that_is_not_an_object_is_refused(frame):
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        protocol.decode_header(frame, 1024)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_header_with_non_json_constant_is_refused(constant):
+    frame = f'{{"protocol":2,"op":"PING","x":{constant}}}'.encode()
+    with pytest.raises(ProtocolError, match="non-JSON constant"):
+        protocol.decode_header(frame, 1024)
+
+
+def test_nan_is_not_encoded():
+    with pytest.raises(ProtocolError):
+        protocol.encode_header({"x": float("nan")})
+
+
+def test_header_over_the_byte_limit_is_refused():
+    frame = protocol.encode_header(protocol.request_header("PING", pad="x" * 100))
+    with pytest.raises(ProtocolError, match="limit"):
+        protocol.decode_header(frame, len(frame) - 1)
+
+
+def test_error_reply_names_type_and_message():
+    reply = protocol.error_reply(ProtocolError("bad thing"))
+    assert reply == {
+        "ok": False,
+        "protocol": 2,
+        "op": "ERROR",
+        "error": "ProtocolError: bad thing",
+    }
+
+
+def test_check_reply_raises_remote_error_for_error_reply():
+    with pytest.raises(RemoteError, match="^ValueError: nope$"):
+        protocol.check_reply(protocol.error_reply(ValueError("nope")), "RESET")
+
+
+def test_check_reply_accepts_pong_for_ping():
+    reply = protocol.ok_reply("PONG", method="dflash")
+    assert protocol.check_reply(reply, "PING") is reply
+
+
+def test_check_reply_refuses_a_reply_to_another_op():
+    with pytest.raises(ProtocolError, match="does not answer"):
+        protocol.check_reply(protocol.ok_reply("FREE"), "RESET")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.int32, torch.int64]
+)
+def test_tensor_frame_round_trips_bit_for_bit(dtype):
+    source = (torch.randn(5, 7) * 1000).to(dtype)
+    frame = bytearray(protocol.tensor_frame(source))
+    decoded = protocol.frame_tensor(frame, dtype, (5, 7), "x")
+    assert torch.equal(decoded.view(torch.uint8), source.view(torch.uint8))
+
+
+def test_tensor_frame_is_little_endian_c_order():
+    frame = bytes(protocol.tensor_frame(torch.tensor([[1, 2], [3, 256]], dtype=torch.int32)))
+    assert frame == b"\x01\0\0\0\x02\0\0\0\x03\0\0\0\x00\x01\0\0"
+
+
+def test_tensor_frame_aliases_a_writable_buffer():
+    buffer = bytearray(protocol.tensor_frame(torch.arange(4, dtype=torch.int64)))
+    decoded = protocol.frame_tensor(buffer, torch.int64, (4,), "x")
+    buffer[0] = 9
+    assert decoded[0].item() == 9
+
+
+def test_tensor_frame_copies_a_read_only_buffer():
+    frame = bytes(protocol.tensor_frame(torch.arange(4, dtype=torch.int64)))
+    decoded = protocol.frame_tensor(frame, torch.int64, (4,), "x")
+    assert decoded.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -8, 8])
+def test_tensor_frame_with_wrong_byte_length_is_refused(delta):
+    frame = bytes(protocol.tensor_frame(torch.zeros(3, 4, dtype=torch.bfloat16)))
+    frame = frame[:delta] if delta < 0 else frame + b"\0" * delta
+    with pytest.raises(ProtocolError, match="rows frame has"):
+        protocol.frame_tensor(frame, torch.bfloat16, (3, 4), "rows")
+
+
+def test_empty_tensor_frame_round_trips():
+    decoded = protocol.frame_tensor(b"", torch.bfloat16, (0, 4), "rows")
+    assert decoded.shape == (0, 4)
+
+
+def test_tensor_frame_refuses_non_contiguous_tensors():
+    with pytest.raises(ProtocolError, match="contiguous"):
+        protocol.tensor_frame(torch.zeros(4, 4).T)

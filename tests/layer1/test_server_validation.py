@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Draft server semantics per op, on the real server core and reference engine
+(in process; the transport is covered by test_server_process.py)."""
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from k3_layer1_server import DEFAULT_OPTIONS, entry, propose_message
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.engine import DraftLimits
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.server import DraftServer
+
+WIDTH = DEFAULT_OPTIONS["context_width"]
+LIMITS = DraftLimits(
+    max_requests=4,
+    max_batch_size=3,
+    max_speculative_tokens=4,
+    max_context_tokens=256,
+    max_model_len=1024,
+    block_size=16,
+    window_size=64,
+    prefix_cache_tokens=128,
+)
+
+
+@pytest.fixture
+def server() -> DraftServer:
+    engine = ReferenceEngine(
+        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    engine.load()
+    return DraftServer(engine)
+
+
+def call(server: DraftServer, op: str, **fields: Any) -> dict[str, Any]:
+    header = protocol.encode_header(protocol.request_header(op, **fields))
+    return json.loads(server.handle([header])[0])
+
+
+def propose(server: DraftServer, entries, k: int = 3, seed: int = 0, **fields):
+    reply = server.handle(propose_message(entries, k, WIDTH, seed, **fields))
+    return json.loads(bytes(reply[0]))
+
+
+def error_of(reply: dict[str, Any]) -> str:
+    assert reply["ok"] is False and reply["op"] == "ERROR"
+    return reply["error"]
+
+
+def state(server: DraftServer) -> dict[str, tuple[int, int, int, int]]:
+    return {
+        rid: (s.slot, s.start, s.end, s.high) for rid, s in server.requests.items()
+    }
+
+
+def test_pong_carries_every_pong_field(server):
+    pong = call(server, "PING")
+    assert set(pong) == {"ok", "protocol", "op", *protocol.PONG_FIELDS}
+    assert pong["op"] == "PONG" and pong["max_requests"] == 4
+
+
+def test_propose_returns_k_tokens_per_request_and_timings(server):
+    reply = propose(server, [entry("a", 20, 20, reset=True), entry("b", 9, 9, reset=True)])
+    assert [len(t) for t in reply["tokens"]] == [3, 3]
+    assert set(reply["timing_ms"]) == set(protocol.TIMING_FIELDS)
+    assert reply["latency_ms"] == reply["timing_ms"]["total"]
+
+
+def test_propose_advances_the_committed_end(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    propose(server, [entry("a", 24, 4)])
+    assert state(server)["a"] == (0, 0, 24, 24)
+
+
+def test_reset_position_starts_a_request_mid_sequence(server):
+    propose(server, [entry("a", 110, 10, reset=True, reset_position=100)])
+    assert state(server)["a"] == (0, 100, 110, 110)
+
+
+def test_reset_with_context_not_at_reset_position_is_refused(server):
+    reply = propose(server, [entry("a", 110, 10, reset=True, reset_position=99)])
+    assert "resets at 99" in error_of(reply)
+
+
+def test_unknown_request_without_reset_is_refused(server):
+    assert "unknown request" in error_of(propose(server, [entry("x", 4, 4)]))
+
+
+def test_anchor_must_equal_the_committed_end_without_context(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    assert "committed end 20" in error_of(propose(server, [entry("a", 21)]))
+
+
+def test_context_after_the_committed_end_is_refused(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    assert "after its committed end" in error_of(propose(server, [entry("a", 30, 5)]))
+
+
+def test_rewind_overwrites_rejected_rows(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    reply = propose(server, [entry("a", 19, 3)])
+    assert reply["ok"] and state(server)["a"] == (0, 0, 19, 20)
+
+
+def test_rewind_beyond_the_block_is_refused(server):
+    propose(server, [entry("a", 40, 40, reset=True)])
+    assert "rewinds to 23" in error_of(propose(server, [entry("a", 25, 2)]))
+
+
+def test_rewind_before_the_valid_start_is_refused(server):
+    propose(server, [entry("a", 104, 4, reset=True, reset_position=100)])
+    assert "rewinds to 99" in error_of(propose(server, [entry("a", 105, 6)]))
+
+
+def test_same_proposal_twice_gives_the_same_tokens(server):
+    propose(server, [entry("a", 50, 50, reset=True)])
+    first = propose(server, [entry("a", 50)])["tokens"]
+    assert propose(server, [entry("a", 50)])["tokens"] == first
+
+
+def test_tokens_do_not_depend_on_batch_companions(server):
+    rows_a, rows_b = torch.randn(30, WIDTH).bfloat16(), torch.randn(12, WIDTH).bfloat16()
+    header_a = protocol.request_header(
+        "PROPOSE", num_speculative_tokens=3, requests=[entry("a", 30, 30, reset=True)]
+    )
+    alone = server.handle(
+        [
+            protocol.encode_header(header_a),
+            protocol.tensor_frame(torch.arange(30)),
+            protocol.tensor_frame(rows_a),
+        ]
+    )
+    header_ba = protocol.request_header(
+        "PROPOSE",
+        num_speculative_tokens=3,
+        requests=[entry("b", 12, 12, reset=True), entry("a2", 30, 30, reset=True)],
+    )
+    batch = server.handle(
+        [
+            protocol.encode_header(header_ba),
+            protocol.tensor_frame(torch.cat((torch.arange(12), torch.arange(30)))),
+            protocol.tensor_frame(torch.cat((rows_b, rows_a))),
+        ]
+    )
+    tokens_alone = json.loads(alone[0])["tokens"]
+    assert json.loads(batch[0])["tokens"][1] == tokens_alone[0]
+
+
+def test_invalid_entry_rejects_the_whole_batch(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    before = state(server)
+    reply = propose(server, [entry("new", 5, 5, reset=True), entry("a", 99)])
+    assert "committed end" in error_of(reply) and state(server) == before
+
+
+def test_more_new_requests_than_free_slots_are_refused(server):
+    propose(server, [entry(f"r{i}", 2, 2, reset=True) for i in range(3)])
+    reply = propose(server, [entry("x", 2, 2, reset=True), entry("y", 2, 2, reset=True)])
+    assert "free slots" in error_of(reply)
+
+
+def test_batch_above_max_batch_size_is_refused(server):
+    entries = [entry(f"r{i}", 2, 2, reset=True) for i in range(4)]
+    assert "1 to 3 entries" in error_of(propose(server, entries))
+
+
+def test_k_above_the_maximum_is_refused(server):
+    reply = propose(server, [entry("a", 2, 2, reset=True)], k=5)
+    assert "num_speculative_tokens" in error_of(reply)
+
+
+def test_duplicate_request_ids_are_refused(server):
+    reply = propose(server, [entry("a", 2, 2, reset=True), entry("a", 2, 2, reset=True)])
+    assert "twice" in error_of(reply)
+
+
+def test_anchor_token_outside_the_vocabulary_is_refused(server):
+    reply = propose(server, [entry("a", 2, 2, reset=True, anchor_token_id=1024)])
+    assert "anchor_token_id" in error_of(reply)
+
+
+def test_anchor_beyond_the_model_length_is_refused(server):
+    reply = propose(server, [entry("a", 1024, 0, reset=True, reset_position=1024)])
+    assert "reset_position" in error_of(reply)
+
+
+def test_context_above_max_context_tokens_is_refused(server):
+    reply = propose(server, [entry("a", 300, 257, reset=True, reset_position=43)])
+    assert "context_count" in error_of(reply)
+
+
+def test_non_contiguous_positions_are_refused(server):
+    frames = propose_message([entry("a", 4, 4, reset=True)], 3, WIDTH)
+    frames[1] = protocol.tensor_frame(torch.tensor([0, 1, 3, 4]))
+    assert "contiguous" in error_of(json.loads(server.handle(frames)[0]))
+
+
+def test_truncated_rows_frame_is_refused(server):
+    frames = propose_message([entry("a", 4, 4, reset=True)], 3, WIDTH)
+    frames[2] = bytes(frames[2])[:-2]
+    assert "context rows frame has" in error_of(json.loads(server.handle(frames)[0]))
+
+
+def test_missing_frames_are_refused(server):
+    frames = propose_message([entry("a", 4, 4, reset=True)], 3, WIDTH)
+    reply = json.loads(server.handle(frames[:2])[0])
+    assert "1 tensor frames, expected 2" in error_of(reply)
+
+
+def test_unknown_header_field_is_refused(server):
+    reply = propose(server, [entry("a", 2, 2, reset=True)], surprise=1)
+    assert "unknown header fields ['surprise']" in error_of(reply)
+
+
+def test_unknown_op_is_refused(server):
+    assert "unknown op" in error_of(call(server, "SHUTDOWN"))
+
+
+def test_reset_op_empties_known_requests_and_keeps_their_slots(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    assert call(server, "RESET", request_ids=["a"])["active_requests"] == 1
+    assert state(server)["a"] == (0, 0, 0, 0)
+
+
+def test_reset_op_with_an_unknown_id_changes_nothing(server):
+    propose(server, [entry("a", 20, 20, reset=True)])
+    assert "unknown requests" in error_of(call(server, "RESET", request_ids=["a", "z"]))
+    assert state(server)["a"] == (0, 0, 20, 20)
+
+
+def test_free_releases_slots_and_ignores_unknown_ids(server):
+    propose(server, [entry("a", 2, 2, reset=True), entry("b", 2, 2, reset=True)])
+    assert call(server, "FREE", request_ids=["a", "zzz"])["active_requests"] == 1
+    assert server.allocator.num_free == 3
+
+
+def test_clear_drops_every_request(server):
+    propose(server, [entry("a", 2, 2, reset=True), entry("b", 2, 2, reset=True)])
+    assert call(server, "CLEAR") == {
+        "ok": True,
+        "protocol": 2,
+        "op": "CLEAR",
+        "active_requests": 0,
+    }
+
+
+def test_reconnect_reproduces_the_source_proposal(server):
+    propose(server, [entry("src", 100, 100, reset=True)])
+    expected = propose(server, [entry("src", 100)])["tokens"]
+    reply = call(server, "RECONNECT", source_request_id="src", request_id="dst",
+                 prefix_end=100)
+    assert reply["restored_start"] == 32 and reply["prefix_end"] == 100
+    assert propose(server, [entry("dst", 100)])["tokens"] == expected
+
+
+def test_reconnect_to_a_shorter_prefix_matches_a_request_that_stopped_there(server):
+    frames = propose_message([entry("src", 90, 90, reset=True)], 3, WIDTH, seed=4)
+    server.handle(frames)
+    call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=70)
+    server.handle(propose_message([entry("ref", 70, 70, reset=True)], 3, WIDTH, seed=4))
+    ref = propose(server, [entry("ref", 70)])["tokens"]
+    assert propose(server, [entry("dst", 70)])["tokens"] == ref
+
+
+def test_reconnect_leaves_the_source_unchanged(server):
+    propose(server, [entry("src", 100, 100, reset=True)])
+    before = state(server)["src"]
+    call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=80)
+    assert state(server)["src"] == before and state(server)["dst"][1:] == (16, 80, 80)
+
+
+def test_reconnect_of_an_uncovered_prefix_is_an_error(server):
+    for start in range(0, 250, 50):
+        propose(server, [entry("src", start + 50, 50, reset=start == 0)])
+    reply = call(server, "RECONNECT", source_request_id="src", request_id="d",
+                 prefix_end=150)
+    assert "not covered" in error_of(reply) and "d" not in server.requests
+
+
+def test_stats_count_requests_and_errors_by_op(server):
+    call(server, "PING")
+    call(server, "NOPE")
+    snapshot = server.snapshot()
+    assert snapshot["requests_by_op"] == {"PING": 1}
+    assert snapshot["errors_by_op"] == {"INVALID": 1}
