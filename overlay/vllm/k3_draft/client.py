@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Verifier-side ZeroMQ client of the draft server (wire protocol version 2).
+
+``DraftClient`` owns one REQ socket (LINGER 0, send and receive timeouts = the
+RPC timeout). A REQ socket that missed a reply is wedged, so after any send or
+receive failure the client closes it, connects a fresh one and raises
+``TransportError``. ``check_server`` is the handshake's compatibility check of
+a PONG against this engine (``ServerRequirements``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth
+
+from vllm.k3_draft.log import init_logger
+from vllm.k3_draft.protocol import (
+    METHODS,
+    OP_CLEAR,
+    OP_PING,
+    PONG_FIELDS,
+    ProtocolError,
+    check_reply,
+    decode_header,
+    encode_header,
+    request_header,
+)
+
+logger = init_logger(__name__)
+
+# Largest reply header accepted (a PROPOSE reply lists R x K token ids).
+MAX_REPLY_HEADER_BYTES = 16 << 20
+_TRANSPORTS = ("tcp", "ipc", "inproc")
+
+
+class TransportError(RuntimeError):
+    """No reply arrived (timeout or socket failure); the socket was renewed."""
+
+
+class IncompatibleServerError(RuntimeError):
+    """The draft server cannot serve this engine (handshake refusal)."""
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ keys of the client: the server's public key and the client's
+    key pair, read from certificate files as ``zmq.auth`` writes them."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def load(cls, server_key_file: str, client_key_file: str) -> CurveKeys:
+        """Keys from the server's public certificate and the client's secret
+        certificate; ``ValueError`` naming the file when unusable."""
+        try:
+            server_public, _ = zmq.auth.load_certificate(server_key_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot load the draft server's CURVE key {server_key_file}: {exc}"
+            ) from exc
+        try:
+            client_public, client_secret = zmq.auth.load_certificate(client_key_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot load the client CURVE key {client_key_file}: {exc}"
+            ) from exc
+        if not client_secret:
+            raise ValueError(f"{client_key_file} holds no secret key")
+        return cls(server_public, client_public, client_secret)
+
+
+@dataclass(frozen=True)
+class ServerRequirements:
+    """What this engine needs from a draft server (checked against PONG)."""
+
+    method: str
+    capabilities: frozenset[str]
+    context_width: int
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_speculative_tokens: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The PONG facts the client uses after the handshake."""
+
+    server_id: str
+    max_requests: int
+    active_requests: int
+    capabilities: frozenset[str]
+
+
+def _pong_int(pong: Mapping[str, Any], name: str) -> int:
+    value = pong[name]
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"PONG {name} is not a non-negative integer: {value!r}")
+    return value
+
+
+def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerInfo:
+    """Check a PONG header against ``needs``.
+
+    Raises ``ProtocolError`` for a malformed PONG and ``IncompatibleServerError``
+    listing every field that cannot serve this engine.
+    """
+    missing = [name for name in PONG_FIELDS if name not in pong]
+    if missing:
+        raise ProtocolError(f"PONG lacks {missing}")
+    method = pong["method"]
+    capabilities = pong["capabilities"]
+    server_id = pong["server_id"]
+    if method not in METHODS:
+        raise ProtocolError(f"PONG method {method!r} is not one of {METHODS}")
+    if not isinstance(capabilities, list) or not all(
+        isinstance(name, str) for name in capabilities
+    ):
+        raise ProtocolError("PONG capabilities is not a list of strings")
+    if not isinstance(server_id, str) or not server_id:
+        raise ProtocolError("PONG server_id is not a non-empty string")
+    problems = []
+    if method != needs.method:
+        problems.append(f"method {method!r}, this engine drafts with {needs.method!r}")
+    lacking = sorted(needs.capabilities - set(capabilities))
+    if lacking:
+        problems.append(f"capabilities {capabilities} lack {lacking}")
+    for name, ours in (
+        ("context_width", needs.context_width),
+        ("vocab_size", needs.vocab_size),
+        ("max_model_len", needs.max_model_len),
+    ):
+        theirs = _pong_int(pong, name)
+        if theirs != ours:
+            problems.append(f"{name} {theirs}, this engine has {ours}")
+    for name, ours, what in (
+        ("max_batch_size", needs.max_num_seqs, "max_num_seqs"),
+        ("max_requests", needs.max_num_seqs, "max_num_seqs"),
+        (
+            "max_speculative_tokens",
+            needs.num_speculative_tokens,
+            "num_speculative_tokens",
+        ),
+        ("max_context_tokens", needs.max_num_batched_tokens, "max_num_batched_tokens"),
+    ):
+        theirs = _pong_int(pong, name)
+        if theirs < ours:
+            problems.append(f"{name} {theirs} is below this engine's {what} {ours}")
+    if problems:
+        raise IncompatibleServerError(
+            "the draft server cannot serve this engine: " + "; ".join(problems)
+        )
+    return ServerInfo(
+        server_id=server_id,
+        max_requests=_pong_int(pong, "max_requests"),
+        active_requests=_pong_int(pong, "active_requests"),
+        capabilities=frozenset(capabilities),
+    )
+
+
+class DraftClient:
+    """One REQ connection to a draft server; every call is one round trip."""
+
+    def __init__(
+        self, address: str, timeout_ms: int, curve: CurveKeys | None = None
+    ) -> None:
+        transport, _, endpoint = address.partition("://")
+        if transport not in _TRANSPORTS or not endpoint:
+            raise ValueError(
+                f"draft server address {address!r} is not a ZeroMQ "
+                "tcp://, ipc:// or inproc:// address"
+            )
+        if timeout_ms < 1:
+            raise ValueError(f"RPC timeout {timeout_ms} ms must be at least 1")
+        self.address = address
+        self.timeout_ms = timeout_ms
+        self.curve = curve
+        self._context = zmq.Context()
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        socket.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+        if self.curve is not None:
+            socket.curve_serverkey = self.curve.server_public
+            socket.curve_publickey = self.curve.client_public
+            socket.curve_secretkey = self.curve.client_secret
+        socket.connect(self.address)
+        return socket
+
+    def _renew(self) -> None:
+        self._socket.close(linger=0)
+        self._socket = self._connect()
+
+    def call(
+        self, op: str, frames: Sequence[Any] = (), **fields: Any
+    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """Send ``op`` with ``fields`` and tensor ``frames``; return the checked
+        reply header and its further frames (valid until the next call).
+
+        Raises ``TransportError`` (no reply), ``ProtocolError`` (malformed
+        reply) or ``protocol.RemoteError`` (``ok: false``).
+        """
+        message = [encode_header(request_header(op, **fields)), *frames]
+        try:
+            self._socket.send_multipart(message, copy=False)
+            reply = self._socket.recv_multipart(copy=False)
+        except zmq.ZMQError as exc:
+            self._renew()
+            raise TransportError(
+                f"{op} to the draft server {self.address} failed: {exc}"
+            ) from exc
+        header = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
+        return check_reply(header, op), reply[1:]
+
+    def handshake(
+        self, needs: ServerRequirements, known_server_id: str | None = None
+    ) -> ServerInfo:
+        """PING and check the server against ``needs``. A server other than
+        ``known_server_id`` that holds requests holds them for an earlier
+        verifier: CLEAR them (fresh epoch)."""
+        pong, frames = self.call(OP_PING)
+        if frames:
+            raise ProtocolError(f"PONG carries {len(frames)} unexpected frames")
+        info = check_server(pong, needs)
+        if info.active_requests and info.server_id != known_server_id:
+            logger.info(
+                "Draft server %s holds %d requests of an earlier verifier; "
+                "clearing them",
+                info.server_id,
+                info.active_requests,
+            )
+            self.call(OP_CLEAR)
+        return info
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()

@@ -1,0 +1,569 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Per-request plan of the remote draft client (rank 0 of the verifier).
+
+``RemotePlan`` mirrors what the draft server retains for this verifier and
+turns one verifier step (``StepInputs``) into RPCs, in this order:
+
+1. handshake when none holds (first step, or after a transport failure; a
+   changed ``server_id`` means the server restarted and everything retained is
+   forgotten);
+2. one FREE of the stale requests and of the least recently used requests not
+   in the batch that must make room (FREE of an unknown id is a no-op);
+3. per request that the server cannot simply continue: RECONNECT from a
+   retained prefix whose tokens are identical, else a cold bootstrap (``reset``
+   at its first context position);
+4. one PROPOSE carrying each request's valid context rows (scheduled minus
+   rejected).
+
+Fail closed: a request gets -1 (no draft) whenever its step fails, and nothing
+of a failed or malformed reply is used. A request whose remote state is
+uncertain after a failure is marked stale and FREEd first on the next step; a
+failing FREE keeps it stale. A transport failure ends the step for every
+request and the client stays offline, with exponential backoff, until a
+handshake succeeds again.
+
+Extension point: a higher layer adds a ``ProposeExtension`` (the verifier half
+of a wire capability) by registering a factory with
+``register_extension_factory``, typically from its capability plugin module
+(``protocol.load_capability_plugins``).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.k3_draft.client import (
+    DraftClient,
+    IncompatibleServerError,
+    ServerInfo,
+    ServerRequirements,
+    TransportError,
+)
+from vllm.k3_draft.log import init_logger
+from vllm.k3_draft.protocol import (
+    OP_FREE,
+    OP_PROPOSE,
+    OP_RECONNECT,
+    TIMING_FIELDS,
+    ProtocolError,
+    RemoteError,
+    extension_frames,
+    tensor_frame,
+)
+
+logger = init_logger(__name__)
+
+NO_DRAFT = -1
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One batch row as the verifier committed it this step.
+
+    ``tokens`` is the request's row of the host token table (at least
+    ``anchor_position`` long) or None without a host view; its context rows are
+    ``StepInputs.rows[row_offset : row_offset + num_context]``.
+    """
+
+    request_id: str
+    first_position: int
+    num_context: int
+    anchor_token_id: int
+    row_offset: int
+    tokens: np.ndarray | None
+
+    @property
+    def anchor_position(self) -> int:
+        return self.first_position + self.num_context
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A verifier step: its requests in batch order, the number of draft
+    tokens wanted per request (0 keeps the server in sync without drafts) and
+    the host context rows (bf16 ``[rows, width]``)."""
+
+    requests: Sequence[StepRequest]
+    num_speculative_tokens: int
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The requests one PROPOSE carried, in wire order."""
+
+    request_ids: tuple[str, ...]
+    batch_rows: np.ndarray
+    anchor_positions: np.ndarray
+    num_speculative_tokens: int
+
+
+@dataclass
+class StepResult:
+    """``tokens`` int64 ``[R, num_speculative_tokens]`` in batch order, -1
+    where no draft; ``payloads`` by capability, from ``ProposeExtension.consume``
+    (empty when the PROPOSE failed)."""
+
+    tokens: np.ndarray
+    payloads: dict[str, Any] = field(default_factory=dict)
+
+
+class ProposeExtension(abc.ABC):
+    """Verifier half of a wire capability (``protocol.ReplyExtension`` is the
+    server half). ``capability`` must be advertised in PONG, else the
+    handshake refuses the server."""
+
+    capability: str
+
+    @abc.abstractmethod
+    def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
+        """PROPOSE header fields that ask for this capability."""
+
+    @abc.abstractmethod
+    def consume(
+        self, metadata: dict[str, Any], frames: list[Any], proposal: Proposal
+    ) -> Any:
+        """Validate this capability's reply entry and frames for ``proposal``
+        and return a payload owning its memory (the frames are reused by the
+        next RPC). Any violation raises ``ProtocolError``: the step fails
+        closed."""
+
+    def publish(self, payload: Any | None, context: Any) -> None:  # noqa: B027
+        """Every TP rank, in the same order, once the draft tokens are
+        broadcast: ``payload`` is ``consume``'s result on rank 0 (None on the
+        other ranks and when the step failed); ``context`` is the speculator's
+        view of the step. Default: nothing."""
+
+
+ExtensionFactory = Callable[[Any], "ProposeExtension | None"]
+EXTENSION_FACTORIES: list[ExtensionFactory] = []
+
+
+def register_extension_factory(factory: ExtensionFactory) -> None:
+    """Register ``factory(speculator) -> ProposeExtension | None`` (None: not
+    enabled by this engine's configuration). Factories run when a remote
+    speculator is built; import vLLM-only modules inside the factory so that
+    capability plugins stay importable on draft hosts."""
+    if factory not in EXTENSION_FACTORIES:
+        EXTENSION_FACTORIES.append(factory)
+
+
+class _TokenLog:
+    """A retained request's committed tokens ``[0, end)`` (grows in place)."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self._buf = np.array(tokens, dtype=np.int32)
+        self.length = len(tokens)
+
+    def prefix_equals(self, tokens: np.ndarray, end: int) -> bool:
+        return end <= self.length and np.array_equal(self._buf[:end], tokens[:end])
+
+    def assign(self, tokens: np.ndarray, keep: int, end: int) -> None:
+        """Keep ``[0, keep)`` and copy ``tokens[keep:end]`` after it."""
+        if end > len(self._buf):
+            grown = np.empty(max(end, 2 * len(self._buf)), dtype=np.int32)
+            grown[:keep] = self._buf[:keep]
+            self._buf = grown
+        self._buf[keep:end] = tokens[keep:end]
+        self.length = end
+
+
+@dataclass
+class _Retained:
+    """What the server holds for a request: valid positions ``[start, end)``."""
+
+    start: int
+    end: int
+    tokens: _TokenLog | None
+    last_used: int
+    stale: bool = False
+    reconnectable: bool = True
+
+
+class _TimingLog:
+    """Mean round trip and server timings, logged every ``interval`` PROPOSEs."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._reset()
+
+    def _reset(self) -> None:
+        self._count = 0
+        self._round_trip = 0.0
+        self._latency = 0.0
+        self._timing = dict.fromkeys(TIMING_FIELDS, 0.0)
+
+    def observe(
+        self, round_trip_ms: float, latency_ms: float, timing: dict[str, float]
+    ) -> None:
+        if not self.interval:
+            return
+        self._count += 1
+        self._round_trip += round_trip_ms
+        self._latency += latency_ms
+        for name in TIMING_FIELDS:
+            self._timing[name] += timing[name]
+        if self._count < self.interval:
+            return
+        n = self._count
+        logger.info(
+            "Remote draft over %d proposals: round trip %.3f ms, server %.3f ms (%s)",
+            n,
+            self._round_trip / n,
+            self._latency / n,
+            ", ".join(f"{k} {v / n:.3f}" for k, v in self._timing.items()),
+        )
+        self._reset()
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def parse_tokens(
+    header: dict[str, Any], num_requests: int, k: int, vocab_size: int
+) -> np.ndarray:
+    """The PROPOSE reply's ``tokens`` as int64 ``[R, K]``; ``ProtocolError``
+    unless every entry is an int token id of the vocabulary, shape exact."""
+    tokens = header.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) != num_requests:
+        raise ProtocolError(f"reply tokens are not a list of {num_requests} rows")
+    out = np.empty((num_requests, k), dtype=np.int64)
+    for r, row in enumerate(tokens):
+        if not isinstance(row, list) or len(row) != k:
+            raise ProtocolError(f"reply tokens row {r} is not a list of {k} ids")
+        for j, token in enumerate(row):
+            if type(token) is not int or not 0 <= token < vocab_size:
+                raise ProtocolError(
+                    f"reply token {token!r} at [{r}][{j}] is not a token id "
+                    f"of the vocabulary (size {vocab_size})"
+                )
+            out[r, j] = token
+    latency, timing = header.get("latency_ms"), header.get("timing_ms")
+    if not _number(latency) or not isinstance(timing, dict):
+        raise ProtocolError("reply lacks numeric latency_ms and timing_ms")
+    if not all(_number(timing.get(name)) for name in TIMING_FIELDS):
+        raise ProtocolError(f"reply timing_ms lacks numeric {list(TIMING_FIELDS)}")
+    return out
+
+
+class RemotePlan:
+    """The client's view of the draft server's retained requests; see the
+    module docstring. ``run`` is called once per verifier step."""
+
+    def __init__(
+        self,
+        client: DraftClient,
+        needs: ServerRequirements,
+        extensions: Sequence[ProposeExtension] = (),
+        timing_log_interval: int = 0,
+        retry_interval_s: float = 1.0,
+        max_retry_interval_s: float = 60.0,
+    ) -> None:
+        self.client = client
+        self.needs = needs
+        self.extensions = list(extensions)
+        self.retained: dict[str, _Retained] = {}
+        self.server: ServerInfo | None = None
+        self._server_id: str | None = None
+        self._step = 0
+        self._previous_batch: set[str] = set()
+        self._timing = _TimingLog(timing_log_interval)
+        self._retry_interval_s = retry_interval_s
+        self._max_retry_interval_s = max_retry_interval_s
+        self._backoff_s = retry_interval_s
+        self._retry_at = 0.0
+
+    # ------------------------------------------------------------ server
+
+    def connect(self) -> ServerInfo:
+        """Handshake now; raises what ``DraftClient.handshake`` raises."""
+        info = self.client.handshake(self.needs, self._server_id)
+        if self._server_id is not None and info.server_id != self._server_id:
+            logger.warning(
+                "Draft server restarted (server_id %s -> %s); forgetting %d "
+                "retained requests",
+                self._server_id,
+                info.server_id,
+                len(self.retained),
+            )
+            self.retained.clear()
+        self._server_id = info.server_id
+        self.server = info
+        self._backoff_s = self._retry_interval_s
+        return info
+
+    def _online(self) -> bool:
+        if self.server is not None:
+            return True
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            self.connect()
+        except (TransportError, ProtocolError, RemoteError) as exc:
+            self._go_offline(exc)
+        except IncompatibleServerError as exc:
+            logger.error("%s; proposing no drafts", exc)
+            self._go_offline(None)
+        return self.server is not None
+
+    def _go_offline(self, exc: Exception | None) -> None:
+        if exc is not None:
+            logger.warning(
+                "Remote draft unavailable (%s); no drafts for %.1f s",
+                exc,
+                self._backoff_s,
+            )
+        self.server = None
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(2 * self._backoff_s, self._max_retry_interval_s)
+
+    # -------------------------------------------------------------- step
+
+    def run(self, step: StepInputs) -> StepResult:
+        """Draft tokens for ``step`` (see the module docstring)."""
+        self._step += 1
+        k = step.num_speculative_tokens
+        result = StepResult(np.full((len(step.requests), k), NO_DRAFT, np.int64))
+        batch = {r.request_id for r in step.requests}
+        for rid in batch & self.retained.keys():
+            self.retained[rid].last_used = self._step
+        try:
+            if self._online():
+                self._run(step, batch, result)
+        except TransportError as exc:
+            self._go_offline(exc)
+        self._previous_batch = batch
+        return result
+
+    def _run(self, step: StepInputs, batch: set[str], result: StepResult) -> None:
+        assert self.server is not None
+        limit = self.needs.max_model_len
+        sendable = [i for i, r in enumerate(step.requests) if r.anchor_position < limit]
+        self._free(batch, {step.requests[i].request_id for i in sendable})
+        free_slots = self.server.max_requests - len(self.retained)
+        entries: list[tuple[int, bool]] = []
+        for i in sendable:
+            request = step.requests[i]
+            state = self.retained.get(request.request_id)
+            if state is not None and state.stale:
+                continue
+            if state is not None and self._continues(request, state):
+                entries.append((i, False))
+                continue
+            if state is None:
+                if free_slots == 0:
+                    continue
+                free_slots -= 1
+            entries.append((i, not self._reconnect(request)))
+        if entries:
+            self._propose(step, entries, result)
+
+    def _continues(self, request: StepRequest, state: _Retained) -> bool:
+        """Whether the server's state is the committed prefix of ``request``."""
+        if request.first_position != state.end:
+            return False
+        if request.request_id in self._previous_batch:
+            return True
+        # Back after an absence: its tokens may have changed meanwhile.
+        return (
+            state.tokens is not None
+            and request.tokens is not None
+            and state.tokens.prefix_equals(request.tokens, state.end)
+        )
+
+    def _free(self, batch: set[str], sending: set[str]) -> None:
+        """FREE the stale requests and the LRU ones that must make room."""
+        assert self.server is not None
+        ids = [rid for rid, state in self.retained.items() if state.stale]
+        live = self.retained.keys() - set(ids)
+        overflow = len(live | sending) - self.server.max_requests
+        if overflow > 0:
+            idle = sorted(
+                (state.last_used, rid)
+                for rid, state in self.retained.items()
+                if not state.stale and rid not in batch
+            )
+            ids += [rid for _, rid in idle[:overflow]]
+        if not ids:
+            return
+        try:
+            self.client.call(OP_FREE, request_ids=ids)
+        except (TransportError, ProtocolError, RemoteError) as exc:
+            for rid in ids:
+                self.retained[rid].stale = True
+            if isinstance(exc, TransportError):
+                raise
+            logger.warning("Draft FREE failed (%s); retrying next step", exc)
+            return
+        for rid in ids:
+            del self.retained[rid]
+
+    def _reconnect(self, request: StepRequest) -> bool:
+        """RECONNECT ``request`` from a retained identical prefix; False when
+        it must cold-bootstrap instead."""
+        rid, prefix_end = request.request_id, request.first_position
+        source_id = self._find_source(request)
+        if source_id is None:
+            return False
+        try:
+            reply, frames = self.client.call(
+                OP_RECONNECT,
+                source_request_id=source_id,
+                request_id=rid,
+                prefix_end=prefix_end,
+            )
+            restored = reply.get("restored_start")
+            if (
+                frames
+                or type(restored) is not int
+                or not 0 <= restored <= prefix_end
+                or reply.get("prefix_end") != prefix_end
+            ):
+                raise ProtocolError(f"malformed RECONNECT reply {reply}")
+        except RemoteError as exc:
+            logger.info("RECONNECT %s from %s refused: %s", rid, source_id, exc)
+            self.retained[source_id].reconnectable = False
+            return False
+        except (TransportError, ProtocolError):
+            self.retained[source_id].reconnectable = False
+            self._mark_stale(rid)
+            raise
+        assert request.tokens is not None
+        state = self.retained.get(rid)
+        if state is None or state.tokens is None:
+            state = _Retained(
+                restored, prefix_end, _TokenLog(request.tokens[:prefix_end]), self._step
+            )
+            self.retained[rid] = state
+        else:
+            state.start, state.end = restored, prefix_end
+            state.tokens.assign(request.tokens, prefix_end, prefix_end)
+        return True
+
+    def _find_source(self, request: StepRequest) -> str | None:
+        """A reconnectable retained request whose valid positions reach the
+        request's first position with identical tokens before it; the request
+        itself first, then the most recently used."""
+        if request.tokens is None or request.first_position == 0:
+            return None
+        prefix_end = request.first_position
+        candidates = sorted(
+            self.retained.items(),
+            key=lambda item: (item[0] != request.request_id, -item[1].last_used),
+        )
+        for rid, state in candidates:
+            if (
+                not state.stale
+                and state.reconnectable
+                and state.tokens is not None
+                and state.start <= prefix_end <= state.end
+                and state.tokens.prefix_equals(request.tokens, prefix_end)
+            ):
+                return rid
+        return None
+
+    def _mark_stale(self, rid: str) -> None:
+        state = self.retained.get(rid)
+        if state is None:
+            self.retained[rid] = _Retained(0, 0, None, self._step, stale=True)
+        else:
+            state.stale = True
+
+    def _propose(
+        self, step: StepInputs, entries: list[tuple[int, bool]], result: StepResult
+    ) -> None:
+        k = max(step.num_speculative_tokens, 1)
+        requests = [step.requests[i] for i, _ in entries]
+        spans = [
+            np.arange(r.row_offset, r.row_offset + r.num_context) for r in requests
+        ]
+        index = np.concatenate(spans) if spans else np.empty(0, np.int64)
+        positions = np.concatenate(
+            [np.arange(r.first_position, r.anchor_position) for r in requests]
+        ).astype(np.int64)
+        frames: list[Any] = []
+        if len(index):
+            rows = step.rows.index_select(0, torch.from_numpy(index))
+            frames = [tensor_frame(torch.from_numpy(positions)), tensor_frame(rows)]
+        proposal = Proposal(
+            request_ids=tuple(r.request_id for r in requests),
+            batch_rows=np.array([i for i, _ in entries], dtype=np.int64),
+            anchor_positions=np.array([r.anchor_position for r in requests]),
+            num_speculative_tokens=k,
+        )
+        fields: dict[str, Any] = {}
+        for extension in self.extensions:
+            fields.update(extension.request_fields(k))
+        wire = [
+            {
+                "request_id": r.request_id,
+                "reset": reset,
+                "reset_position": r.first_position,
+                "context_count": r.num_context,
+                "anchor_token_id": r.anchor_token_id,
+                "anchor_position": r.anchor_position,
+            }
+            for r, (_, reset) in zip(requests, entries)
+        ]
+        sent = time.perf_counter()
+        try:
+            header, reply_frames = self.client.call(
+                OP_PROPOSE, frames, num_speculative_tokens=k, requests=wire, **fields
+            )
+            round_trip_ms = (time.perf_counter() - sent) * 1e3
+            tokens = parse_tokens(header, len(requests), k, self.needs.vocab_size)
+            payloads = self._consume(header, reply_frames, proposal)
+        except (TransportError, ProtocolError, RemoteError) as exc:
+            for r in requests:
+                self._mark_stale(r.request_id)
+            if isinstance(exc, TransportError):
+                raise
+            logger.warning("Draft PROPOSE failed (%s); no drafts this step", exc)
+            # Handshake again next step: a restarted server answers this way.
+            self.server = None
+            return
+        self._timing.observe(round_trip_ms, header["latency_ms"], header["timing_ms"])
+        for r, (_, reset) in zip(requests, entries):
+            self._commit(r, reset)
+        width = step.num_speculative_tokens
+        result.tokens[proposal.batch_rows] = tokens[:, :width]
+        result.payloads = payloads
+
+    def _consume(
+        self, header: dict[str, Any], frames: list[Any], proposal: Proposal
+    ) -> dict[str, Any]:
+        replies = extension_frames(header, frames)
+        wanted = {extension.capability for extension in self.extensions}
+        if replies.keys() != wanted:
+            raise ProtocolError(
+                f"reply extensions {sorted(replies)} do not answer {sorted(wanted)}"
+            )
+        return {
+            extension.capability: extension.consume(
+                *replies[extension.capability], proposal
+            )
+            for extension in self.extensions
+        }
+
+    def _commit(self, request: StepRequest, reset: bool) -> None:
+        """Record a successful PROPOSE of ``request``."""
+        rid, end = request.request_id, request.anchor_position
+        state = self.retained.get(rid)
+        tokens = request.tokens
+        if reset or state is None:
+            log = None if tokens is None else _TokenLog(tokens[:end])
+            self.retained[rid] = _Retained(request.first_position, end, log, self._step)
+            return
+        if state.tokens is not None and tokens is not None:
+            state.tokens.assign(tokens, request.first_position, end)
+        state.end = end
+        state.last_used = self._step
