@@ -13,14 +13,11 @@ the output equals target-only decoding.
 from __future__ import annotations
 
 import json
+import time
 
-from conftest_client import (  # noqa: F401  (fixtures)
-    make_speculator,
-    oracle,
-    tp_world,
-    vllm_config_factory,
-)
 from toy_target import ToyTarget, VerifierLoop
+
+pytest_plugins = ("conftest_client",)
 
 K = 3
 
@@ -29,14 +26,15 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 1000 + 1 for i in range(length)]
 
 
-def _run_to_completion(loop: VerifierLoop, max_steps: int = 400) -> None:
+def _run_to_completion(loop: VerifierLoop, max_steps: int = 400) -> dict[str, list]:
+    """Step every running request until all finished; their tokens by id."""
+    finished = {}
     for _ in range(max_steps):
-        running = [rid for rid, r in loop.requests.items() if not r.done]
         for rid in [rid for rid, r in loop.requests.items() if r.done]:
-            loop.remove(rid)
-        if not running:
-            return
-        loop.step(running)
+            finished[rid] = loop.remove(rid).tokens
+        if not loop.requests:
+            return finished
+        loop.step(list(loop.requests))
     raise AssertionError("requests did not finish")
 
 
@@ -70,3 +68,109 @@ def test_drafts_are_exact_and_output_matches_target(
         assert tokens == target.generate(prompts[rid], 24)
     stats = loop.stats
     assert stats.accepted > 0 and stats.rejected > 0 and stats.drafted > 0
+
+
+def test_lru_eviction_frees_idle_requests(
+    draft_server_factory, make_speculator, oracle
+):
+    """With as many retained slots as sequences, finished requests are freed
+    least recently used first to make room for new ones."""
+    server = draft_server_factory(max_requests=8)
+    speculator, table = make_speculator(server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    first, second = [f"l{i}" for i in range(8)], [f"l{i}" for i in range(8, 14)]
+    for i, rid in enumerate(first):
+        loop.add(rid, _prompt(100 + i, 12), max_tokens=4 + i)
+    _run_to_completion(loop)
+    last_used = {rid: s.last_used for rid, s in speculator.plan.retained.items()}
+    for i, rid in enumerate(second):
+        loop.add(rid, _prompt(200 + i, 12), max_tokens=6)
+    _run_to_completion(loop)
+    retained = speculator.plan.retained
+    evicted = set(first) - retained.keys()
+    assert len(retained) == 8 and set(second) <= retained.keys()
+    assert len(evicted) == 6
+    assert max(last_used[r] for r in evicted) <= min(
+        last_used[r] for r in set(first) - evicted
+    )
+    status = _status(server)
+    assert status["requests_by_op"]["FREE"] >= 1
+    assert status["active_requests"] == 8
+    assert loop.stats.drafted > 0
+
+
+def test_prefix_hit_reconnects_from_a_retained_prefix(
+    draft_server, make_speculator, oracle
+):
+    """A new request whose first 40 tokens are a prefix-cache hit of a finished
+    request's tokens is restored by RECONNECT instead of a cold bootstrap."""
+    speculator, table = make_speculator(draft_server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    loop.add("src", _prompt(7, 30), max_tokens=20)
+    _run_to_completion(loop)
+    shared = target.generate(_prompt(7, 30), 20)[:44]
+    before = _status(draft_server)["reconnects"]
+    loop.add("hit", shared, max_tokens=16, computed=40)
+    loop.step(["hit"])
+    state = speculator.plan.retained["hit"]
+    assert state.start < 40
+    assert _status(draft_server)["reconnects"] == before + 1
+    finished = _run_to_completion(loop)
+    assert finished["hit"] == target.generate(shared, 16)
+    assert loop.stats.drafted > 0
+
+
+def test_preempted_request_resumes_by_rewinding(draft_server, make_speculator, oracle):
+    """A request preempted and resumed at an earlier cached position rewinds
+    its own retained state (RECONNECT from itself) and keeps exact drafts."""
+    speculator, table = make_speculator(draft_server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    prompt = _prompt(11, 40)
+    loop.add("p", prompt, max_tokens=40)
+    for _ in range(6):
+        loop.step(["p"])
+    preempted = loop.remove("p")
+    end = speculator.plan.retained["p"].end
+    before = _status(draft_server)["reconnects"]
+    loop.resume(preempted, computed=end - 5)
+    loop.step(["p"])
+    assert _status(draft_server)["reconnects"] == before + 1
+    _run_to_completion(loop)
+    assert preempted.tokens == target.generate(prompt, 40)
+
+
+def test_server_restart_fails_closed_then_recovers(
+    draft_server_factory, make_speculator, oracle
+):
+    """Killing the draft server mid-run gives -1 drafts (never wrong ones);
+    after the restart the client sees the new server_id, forgets the old
+    state and cold-bootstraps the running requests."""
+    server = draft_server_factory()
+    speculator, table = make_speculator(server.address, timeout_ms=500)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    prompts = {f"r{i}": _prompt(30 + i, 16) for i in range(3)}
+    for rid, prompt in prompts.items():
+        loop.add(rid, prompt, max_tokens=60)
+    for _ in range(4):
+        loop.step(list(loop.requests))
+    old_id = speculator.plan.server.server_id
+    server.proc.kill()
+    server.stop()
+    drafted = loop.stats.drafted
+    loop.step(list(loop.requests))
+    assert loop.stats.drafted == drafted
+    assert speculator.plan.server is None
+    server.start()
+    for _ in range(200):
+        loop.step(list(loop.requests))
+        if loop.stats.drafted > drafted:
+            break
+        time.sleep(0.05)
+    assert speculator.plan.server.server_id != old_id
+    finished = _run_to_completion(loop)
+    for rid, prompt in prompts.items():
+        assert finished[rid] == target.generate(prompt, 60)
