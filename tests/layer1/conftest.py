@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Shared fixtures of the layer-1 tests: real draft server processes.
 
-* ``draft_server`` (module scope): one reference-engine server (DFlash, the
-  bounds of ``k3_layer1_server.DEFAULT_OPTIONS``) on an ipc path, ready.
+* ``draft_server`` (session scope): one reference-engine server (DFlash, the
+  bounds of ``k3_layer1_server.DEFAULT_OPTIONS``) on an ipc path, ready. It is
+  shared: a test that depends on the retained requests sends CLEAR first.
 * ``draft_server_factory`` (function scope): ``factory(address=None,
   start=True, **options)`` returns a ``DraftServerProcess`` with
   ``DEFAULT_OPTIONS`` overridden by ``options`` (CLI option names with
@@ -23,8 +24,10 @@ import pytest
 from k3_layer1_server import DraftServerProcess, RawClient  # sibling module
 
 
-@pytest.fixture(scope="module")
-def draft_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraftServerProcess]:
+@pytest.fixture(scope="session")
+def draft_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[DraftServerProcess]:
     server = DraftServerProcess(tmp_path_factory.mktemp("draft")).start()
     yield server
     server.stop()

@@ -145,7 +145,9 @@ class DraftServerProcess:
             return 0, b""
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(
+            self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        )
 
 
 class RawClient:
@@ -170,7 +172,9 @@ class RawClient:
         sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
         sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
         if self.curve is not None:
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self.curve
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+                self.curve
+            )
         sock.connect(self.address)
         return sock
 

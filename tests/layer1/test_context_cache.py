@@ -33,7 +33,9 @@ def rows_for(positions: torch.Tensor) -> torch.Tensor:
 def test_written_rows_are_read_back_by_position():
     cache = make_cache()
     positions = torch.arange(10, 16)
-    cache.write(cache.index(torch.full_like(positions, 1), positions), rows_for(positions))
+    cache.write(
+        cache.index(torch.full_like(positions, 1), positions), rows_for(positions)
+    )
     assert torch.equal(cache.read(1, 10, 16), rows_for(positions))
 
 
@@ -41,14 +43,18 @@ def test_ring_keeps_the_last_budget_positions():
     cache = make_cache(budget=8)
     for start in (0, 8):
         positions = torch.arange(start, start + 8)
-        cache.write(cache.index(torch.zeros_like(positions), positions), rows_for(positions))
+        cache.write(
+            cache.index(torch.zeros_like(positions), positions), rows_for(positions)
+        )
     assert torch.equal(cache.read(0, 8, 16), rows_for(torch.arange(8, 16)))
 
 
 def test_copy_moves_a_range_between_slots():
     cache = make_cache()
     positions = torch.arange(20, 26)
-    cache.write(cache.index(torch.zeros_like(positions), positions), rows_for(positions))
+    cache.write(
+        cache.index(torch.zeros_like(positions), positions), rows_for(positions)
+    )
     cache.copy(0, 2, 21, 25)
     assert torch.equal(cache.read(2, 21, 25), rows_for(torch.arange(21, 25)))
 

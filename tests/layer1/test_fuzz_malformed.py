@@ -82,9 +82,13 @@ def bad_propose_field(rng: random.Random, serial: int) -> Frames:
     fields = json.loads(frames[0])
     choice = rng.randrange(6)
     if choice == 0:
-        fields["num_speculative_tokens"] = rng.choice([0, -1, MAX_K + 1, "3", None, 3.0, True])
+        fields["num_speculative_tokens"] = rng.choice(
+            [0, -1, MAX_K + 1, "3", None, 3.0, True]
+        )
     elif choice == 1:
-        too_many = [entry(f"fz-{serial}-m{i}", 0, reset=True) for i in range(MAX_BATCH + 1)]
+        too_many = [
+            entry(f"fz-{serial}-m{i}", 0, reset=True) for i in range(MAX_BATCH + 1)
+        ]
         fields["requests"] = rng.choice([None, {}, [], "x", [1], too_many])
     elif choice == 2:
         name = rng.choice(list(ENTRY_MUTATIONS))
@@ -96,7 +100,9 @@ def bad_propose_field(rng: random.Random, serial: int) -> Frames:
         else:
             victim["extra"] = 1
     elif choice == 4:
-        fields["requests"][rng.randrange(2)]["anchor_position"] += rng.choice([-2, -1, 1, 3])
+        fields["requests"][rng.randrange(2)]["anchor_position"] += rng.choice(
+            [-2, -1, 1, 3]
+        )
     else:
         fields[rng.choice(["return_logits", "logits_topk", "x", "requests_"])] = True
     return [json.dumps(fields).encode(), *frames[1:]]
@@ -133,7 +139,9 @@ def stateful(rng: random.Random, serial: int) -> Frames:
     new = entry(f"fz-{serial}", 3, 3, reset=True)
     choice = rng.randrange(10)
     if choice == 0:
-        return propose_message([new, entry("keep", KEEP_END + rng.choice([-1, 1, 7]))], 3, WIDTH)
+        return propose_message(
+            [new, entry("keep", KEEP_END + rng.choice([-1, 1, 7]))], 3, WIDTH
+        )
     if choice == 1:
         return propose_message([entry(f"fz-unknown-{serial}", 4, 4)], 3, WIDTH)
     if choice == 2:
@@ -141,11 +149,25 @@ def stateful(rng: random.Random, serial: int) -> Frames:
     if choice == 3:
         return [header(protocol=2, op="RESET", request_ids=["keep", f"fz-{serial}"])]
     if choice == 4:
-        return [header(protocol=2, op="RECONNECT", source_request_id=f"fz-{serial}",
-                       request_id=f"fz-x{serial}", prefix_end=3)]
+        return [
+            header(
+                protocol=2,
+                op="RECONNECT",
+                source_request_id=f"fz-{serial}",
+                request_id=f"fz-x{serial}",
+                prefix_end=3,
+            )
+        ]
     if choice == 5:
-        return [header(protocol=2, op="RECONNECT", source_request_id="keep",
-                       request_id=f"fz-x{serial}", prefix_end=KEEP_END + rng.randint(1, 9))]
+        return [
+            header(
+                protocol=2,
+                op="RECONNECT",
+                source_request_id="keep",
+                request_id=f"fz-x{serial}",
+                prefix_end=KEEP_END + rng.randint(1, 9),
+            )
+        ]
     if choice == 6:
         return [header(protocol=2, op="RECONNECT", source_request_id="keep")]
     if choice == 7:
@@ -191,7 +213,8 @@ def keep_tokens(client: RawClient) -> list[list[int]]:
 def continuation(request_id: str) -> Frames:
     rows = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(9))
     fields = protocol.request_header(
-        "PROPOSE", num_speculative_tokens=3,
+        "PROPOSE",
+        num_speculative_tokens=3,
         requests=[entry(request_id, KEEP_END + 4, 4)],
     )
     return [
@@ -202,8 +225,8 @@ def continuation(request_id: str) -> Frames:
 
 
 @pytest.fixture
-def fuzz_client(draft_server_factory):
-    server = draft_server_factory()
+def fuzz_client(draft_server):
+    server = draft_server
     client = RawClient(server.address)
     client.call("CLEAR")
     for rid in ("keep", "control"):

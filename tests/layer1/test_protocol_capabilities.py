@@ -69,13 +69,17 @@ def propose(server: DraftServer, **fields: Any) -> tuple[dict, list]:
 
 def test_pong_advertises_an_offered_capability():
     server = make_server(registry_with(FloatLogits()))
-    pong = json.loads(server.handle([protocol.encode_header(protocol.request_header("PING"))])[0])
+    pong = json.loads(
+        server.handle([protocol.encode_header(protocol.request_header("PING"))])[0]
+    )
     assert pong["capabilities"] == ["test_logits_f32_v1"]
 
 
 def test_pong_omits_a_capability_that_is_not_offered():
     server = make_server(registry_with(FloatLogits(offered=False)))
-    pong = json.loads(server.handle([protocol.encode_header(protocol.request_header("PING"))])[0])
+    pong = json.loads(
+        server.handle([protocol.encode_header(protocol.request_header("PING"))])[0]
+    )
     assert pong["capabilities"] == []
 
 

@@ -27,14 +27,17 @@ def test_header_without_protocol_is_refused():
         protocol.decode_header(b'{"op":"PING"}', 1024)
 
 
-@pytest.mark.parametrize("frame", [b'{"protocol":2}', b'{"protocol":2,"op":""}',
-                                   b'{"protocol":2,"op":5}'])
+@pytest.mark.parametrize(
+    "frame", [b'{"protocol":2}', b'{"protocol":2,"op":""}', b'{"protocol":2,"op":5}']
+)
 def test_header_without_op_string_is_refused(frame):
     with pytest.raises(ProtocolError, match="no op"):
         protocol.decode_header(frame, 1024)
 
 
-@pytest.mark.parametrize("frame", [b"", b"\xff\xfe", b"{", b'{"protocol":2,"op":"PING"'])
+@pytest.mark.parametrize(
+    "frame", [b"", b"\xff\xfe", b"{", b'{"protocol":2,"op":"PING"']
+)
 def test_header_that_is_not_utf8_json_is_refused(frame):
     with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
         protocol.decode_header(frame, 1024)
@@ -100,7 +103,9 @@ def test_tensor_frame_round_trips_bit_for_bit(dtype):
 
 
 def test_tensor_frame_is_little_endian_c_order():
-    frame = bytes(protocol.tensor_frame(torch.tensor([[1, 2], [3, 256]], dtype=torch.int32)))
+    frame = bytes(
+        protocol.tensor_frame(torch.tensor([[1, 2], [3, 256]], dtype=torch.int32))
+    )
     assert frame == b"\x01\0\0\0\x02\0\0\0\x03\0\0\0\x00\x01\0\0"
 
 

@@ -53,9 +53,7 @@ def error_of(reply: dict[str, Any]) -> str:
 
 
 def state(server: DraftServer) -> dict[str, tuple[int, int, int, int]]:
-    return {
-        rid: (s.slot, s.start, s.end, s.high) for rid, s in server.requests.items()
-    }
+    return {rid: (s.slot, s.start, s.end, s.high) for rid, s in server.requests.items()}
 
 
 def test_pong_carries_every_pong_field(server):
@@ -65,7 +63,9 @@ def test_pong_carries_every_pong_field(server):
 
 
 def test_propose_returns_k_tokens_per_request_and_timings(server):
-    reply = propose(server, [entry("a", 20, 20, reset=True), entry("b", 9, 9, reset=True)])
+    reply = propose(
+        server, [entry("a", 20, 20, reset=True), entry("b", 9, 9, reset=True)]
+    )
     assert [len(t) for t in reply["tokens"]] == [3, 3]
     assert set(reply["timing_ms"]) == set(protocol.TIMING_FIELDS)
     assert reply["latency_ms"] == reply["timing_ms"]["total"]
@@ -124,7 +124,10 @@ def test_same_proposal_twice_gives_the_same_tokens(server):
 
 
 def test_tokens_do_not_depend_on_batch_companions(server):
-    rows_a, rows_b = torch.randn(30, WIDTH).bfloat16(), torch.randn(12, WIDTH).bfloat16()
+    rows_a, rows_b = (
+        torch.randn(30, WIDTH).bfloat16(),
+        torch.randn(12, WIDTH).bfloat16(),
+    )
     header_a = protocol.request_header(
         "PROPOSE", num_speculative_tokens=3, requests=[entry("a", 30, 30, reset=True)]
     )
@@ -160,7 +163,9 @@ def test_invalid_entry_rejects_the_whole_batch(server):
 
 def test_more_new_requests_than_free_slots_are_refused(server):
     propose(server, [entry(f"r{i}", 2, 2, reset=True) for i in range(3)])
-    reply = propose(server, [entry("x", 2, 2, reset=True), entry("y", 2, 2, reset=True)])
+    reply = propose(
+        server, [entry("x", 2, 2, reset=True), entry("y", 2, 2, reset=True)]
+    )
     assert "free slots" in error_of(reply)
 
 
@@ -175,7 +180,9 @@ def test_k_above_the_maximum_is_refused(server):
 
 
 def test_duplicate_request_ids_are_refused(server):
-    reply = propose(server, [entry("a", 2, 2, reset=True), entry("a", 2, 2, reset=True)])
+    reply = propose(
+        server, [entry("a", 2, 2, reset=True), entry("a", 2, 2, reset=True)]
+    )
     assert "twice" in error_of(reply)
 
 
@@ -252,8 +259,9 @@ def test_clear_drops_every_request(server):
 def test_reconnect_reproduces_the_source_proposal(server):
     propose(server, [entry("src", 100, 100, reset=True)])
     expected = propose(server, [entry("src", 100)])["tokens"]
-    reply = call(server, "RECONNECT", source_request_id="src", request_id="dst",
-                 prefix_end=100)
+    reply = call(
+        server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=100
+    )
     assert reply["restored_start"] == 32 and reply["prefix_end"] == 100
     assert propose(server, [entry("dst", 100)])["tokens"] == expected
 
@@ -277,8 +285,9 @@ def test_reconnect_leaves_the_source_unchanged(server):
 def test_reconnect_of_an_uncovered_prefix_is_an_error(server):
     for start in range(0, 250, 50):
         propose(server, [entry("src", start + 50, 50, reset=start == 0)])
-    reply = call(server, "RECONNECT", source_request_id="src", request_id="d",
-                 prefix_end=150)
+    reply = call(
+        server, "RECONNECT", source_request_id="src", request_id="d", prefix_end=150
+    )
     assert "not covered" in error_of(reply) and "d" not in server.requests
 
 

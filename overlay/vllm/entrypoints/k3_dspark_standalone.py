@@ -317,14 +317,12 @@ def check_free_after_capture(device: torch.device, min_free_gib: float) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, stop: threading.Event) -> int:
+    """Serve until ``stop`` is set; returns the process exit status."""
     state = StatusState()
     status = StatusServer(state, args.status_host, args.status_port)
     status.start()
     warn_if_unsafe(args.address, args.curve)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     try:
         engine = build_engine(args)
         check_memory_plan(engine, args.memory_limit_gib)
@@ -359,7 +357,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     configure_process_logging()
-    sys.exit(run(args))
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    sys.exit(run(args, stop))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CLI validation at parse time and the start-up memory checks."""
+
+import logging
+import threading
+
+import pytest
+import zmq.auth
+from k3_layer1_server import free_tcp_port
+
+from vllm.entrypoints.k3_dspark_standalone import check_memory_plan, parse_args, run
+from vllm.k3_draft.reference_engine import ReferenceEngine
+
+BASE = ["--engine", "reference", "--device", "cpu", "--window-size", "64"]
+
+
+def refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_valid_reference_arguments_parse():
+    args = parse_args(BASE + ["--max-requests", "8", "--max-num-seqs", "8"])
+    assert args.limits.max_requests == 8 and args.prefix_cache_tokens == 128
+    assert args.reference.method == "dflash"
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--max-requests",
+        "--max-num-seqs",
+        "--max-speculative-tokens",
+        "--max-context-tokens",
+        "--max-model-len",
+        "--block-size",
+        "--hidden-size",
+        "--vocab-size",
+    ],
+)
+@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5"])
+def test_counts_must_be_positive_integers(flag, value, capsys):
+    assert flag in refused([flag, value], capsys)
+
+
+@pytest.mark.parametrize("window", ["24", "8"])
+def test_window_must_be_a_multiple_of_the_block_size(window, capsys):
+    assert "multiple" in refused(
+        ["--window-size", window, "--block-size", "16"], capsys
+    )
+
+
+def test_retained_requests_must_cover_max_sequences(capsys):
+    err = refused(["--max-requests", "4", "--max-num-seqs", "8"], capsys)
+    assert "below max_batch_size" in err
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1"])
+def test_status_port_must_be_in_range(port, capsys):
+    assert "--status-port" in refused(["--status-port", port], capsys)
+
+
+def test_prefix_cache_must_hold_a_window(capsys):
+    assert "below window_size" in refused(["--prefix-cache-tokens", "32"], capsys)
+
+
+def test_cuda_graphs_need_a_cuda_device(capsys):
+    assert "CUDA" in refused(["--enable-cuda-graph"], capsys)
+
+
+def test_reference_engine_refuses_production_flags(tmp_path, capsys):
+    assert "--draft-model" in refused(["--draft-model", str(tmp_path)], capsys)
+
+
+def test_production_engine_needs_both_checkpoints(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "production", "--draft-model", str(tmp_path)])
+    assert "needs --draft-model and --target-model" in capsys.readouterr().err
+
+
+def test_production_engine_refuses_reference_flags(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                "--engine",
+                "production",
+                "--draft-model",
+                str(tmp_path),
+                "--target-model",
+                str(tmp_path),
+                "--hidden-size",
+                "64",
+            ]
+        )
+    assert "does not use --hidden-size" in capsys.readouterr().err
+
+
+def test_curve_key_needs_the_authorized_keys_directory(tmp_path, capsys):
+    _, secret = zmq.auth.create_certificates(tmp_path, "server")
+    assert "go together" in refused(["--curve-secret-key", secret], capsys)
+
+
+def test_curve_key_file_without_a_secret_is_refused(tmp_path, capsys):
+    public, _ = zmq.auth.create_certificates(tmp_path, "server")
+    err = refused(
+        ["--curve-secret-key", public, "--curve-authorized-keys", str(tmp_path)], capsys
+    )
+    assert "holds no secret key" in err
+
+
+def test_reference_model_shape_is_validated(capsys):
+    assert "num_heads" in refused(["--hidden-size", "60", "--num-heads", "4"], capsys)
+
+
+def test_memory_plan_that_fits_passes():
+    args = parse_args(BASE)
+    check_memory_plan(ReferenceEngine(args.limits, args.reference, args.device), 1.0)
+
+
+def test_memory_plan_over_the_limit_is_refused():
+    args = parse_args(
+        BASE
+        + ["--max-requests", "4096", "--window-size", "4096", "--hidden-size", "1024"]
+    )
+    engine = ReferenceEngine(args.limits, args.reference, args.device)
+    with pytest.raises(MemoryError, match="KV .* GiB"):
+        check_memory_plan(engine, 2.0)
+
+
+def test_server_that_cannot_fit_exits_before_serving(caplog):
+    args = parse_args(
+        BASE
+        + [
+            "--status-port",
+            str(free_tcp_port()),
+            "--memory-limit-gib",
+            "0.0001",
+            "--address",
+            "inproc://never",
+        ]
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    assert "Refusing to serve" in caplog.text

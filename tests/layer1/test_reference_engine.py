@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The reference draft engine (CPU; the CUDA graph tests need a GPU)."""
+
+import pytest
+import torch
+
+from vllm.k3_draft.engine import (
+    DraftLimits,
+    ProposeBatch,
+    graph_batch_sizes,
+    plan_context,
+)
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+
+LIMITS = DraftLimits(
+    max_requests=4,
+    max_batch_size=4,
+    max_speculative_tokens=4,
+    max_context_tokens=512,
+    max_model_len=4096,
+    block_size=16,
+    window_size=32,
+    prefix_cache_tokens=64,
+)
+WIDTH = 48
+
+
+def make_engine(seed=0, method="dflash", device="cpu", graphs=False) -> ReferenceEngine:
+    model = ReferenceModelConfig(method=method, context_width=WIDTH, seed=seed)
+    engine = ReferenceEngine(LIMITS, model, torch.device(device), graphs)
+    engine.load()
+    engine.capture_cuda_graphs()
+    return engine
+
+
+def rows(count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(count, WIDTH, generator=generator).bfloat16()
+
+
+def batch(slots, starts, ends, counts, context, k=3, anchors=None) -> ProposeBatch:
+    positions = torch.cat(
+        [torch.arange(end - count, end) for end, count in zip(ends, counts)]
+    )
+    return ProposeBatch(
+        num_speculative_tokens=k,
+        slots=list(slots),
+        starts=list(starts),
+        ends=list(ends),
+        anchor_token_ids=anchors or [5] * len(slots),
+        counts=list(counts),
+        positions=positions,
+        rows=context,
+        want_logits=True,
+    )
+
+
+def first(engine: ReferenceEngine, context: torch.Tensor, k: int = 3):
+    n = context.shape[0]
+    return engine.propose(batch([0], [0], [n], [n], context, k))
+
+
+def test_same_seed_same_tokens():
+    context = rows(20, 1)
+    assert torch.equal(
+        first(make_engine(0), context).tokens, first(make_engine(0), context).tokens
+    )
+
+
+def test_other_seed_other_logits():
+    context = rows(20, 1)
+    assert not torch.equal(
+        first(make_engine(0), context).logits, first(make_engine(1), context).logits
+    )
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_output_shapes_follow_k(method):
+    output = first(make_engine(method=method), rows(10, 2), k=4)
+    assert output.tokens.shape == (1, 4) and output.logits.shape == (1, 4, 1024)
+    assert torch.equal(output.tokens, output.logits.argmax(-1))
+
+
+def test_context_outside_the_window_does_not_matter():
+    tail = rows(32, 3)
+    old_a = torch.cat((rows(40, 4), tail))
+    old_b = torch.cat((rows(40, 5), tail))
+    a, b = first(make_engine(), old_a), first(make_engine(), old_b)
+    assert torch.equal(a.logits, b.logits)
+
+
+def test_context_inside_the_window_matters():
+    a = first(make_engine(), torch.cat((rows(1, 6), rows(31, 3))))
+    b = first(make_engine(), torch.cat((rows(1, 7), rows(31, 3))))
+    assert not torch.equal(a.logits, b.logits)
+
+
+def test_positions_before_the_valid_start_are_ignored():
+    engine = make_engine()
+    engine.propose(batch([0], [0], [20], [20], rows(20, 8)))
+    fresh = make_engine()
+    context = rows(5, 9)
+    a = engine.propose(batch([0], [15], [20], [5], context))
+    b = fresh.propose(batch([0], [15], [20], [5], context))
+    assert torch.equal(a.logits, b.logits)
+
+
+def test_restore_rebuilds_the_same_kv_in_another_slot():
+    engine = make_engine()
+    engine.propose(batch([0], [0], [50], [50], rows(50, 10)))
+    engine.restore(0, 2, 16, 50, 18)
+    geometry = engine.geometry
+    positions = torch.arange(18, 50)
+    src = geometry.slot_mapping(torch.zeros_like(positions), positions)
+    dst = geometry.slot_mapping(torch.full_like(positions, 2), positions)
+    torch.testing.assert_close(engine.kv[:, :, dst], engine.kv[:, :, src])
+
+
+def test_memory_plan_counts_kv_of_every_block():
+    engine = ReferenceEngine(
+        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    blocks = 1 + 4 * (32 // 16 + 1)
+    assert engine.memory_plan().kv_bytes == 2 * 2 * blocks * 16 * 64 * 4
+
+
+def test_plan_context_keeps_only_rows_the_cache_can_hold():
+    context = batch([1], [0], [100], [100], rows(100, 11))
+    plan = plan_context(context, window=32, budget=64)
+    assert plan.keep.tolist() == list(range(36, 100))
+    assert plan.kv_select.tolist() == list(range(32, 64))
+
+
+def test_graph_batch_sizes_cover_every_batch_size():
+    assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert graph_batch_sizes(1) == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_cuda_graph_replay_matches_eager(method):
+    eager = make_engine(method=method, device="cuda")
+    graphed = make_engine(method=method, device="cuda", graphs=True)
+    assert len(graphed._graphs) == len(graph_batch_sizes(4)) * 4
+    for n in (1, 3, 4):
+        ends = [40 + i for i in range(n)]
+        context = torch.cat([rows(e, 12 + i) for i, e in enumerate(ends)])
+        args = (list(range(n)), [0] * n, ends, ends, context)
+        for k in (1, 4):
+            a, b = eager.propose(batch(*args, k=k)), graphed.propose(batch(*args, k=k))
+            torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=5e-2)

@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Bind rules of the RPC socket (validated before anything binds)."""
+
+import logging
+
+import pytest
+
+from vllm.entrypoints.k3_dspark_standalone import parse_args
+from vllm.k3_draft.security import BindRefused, bind_scope, check_bind, warn_if_unsafe
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "ipc:///tmp/x.ipc",
+        "inproc://x",
+        "tcp://127.0.0.1:5555",
+        "tcp://127.3.2.1:1",
+        "tcp://[::1]:5555",
+        "tcp://localhost:5555",
+    ],
+)
+def test_local_addresses_bind_without_keys(address):
+    assert bind_scope(address) == "local"
+    check_bind(address, None, allow_unsafe_remote_rpc=False)
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://10.1.2.3:5555", "tcp://eth0:5555", "tcp://draft.example:5555"]
+)
+def test_non_loopback_bind_without_keys_is_refused(address):
+    with pytest.raises(BindRefused, match="non-loopback"):
+        check_bind(address, None, allow_unsafe_remote_rpc=False)
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:5555"]
+)
+def test_wildcard_bind_without_keys_is_refused_even_when_unsafe_is_allowed(address):
+    with pytest.raises(BindRefused, match="all interfaces"):
+        check_bind(address, None, allow_unsafe_remote_rpc=True)
+
+
+def test_non_loopback_bind_is_allowed_with_the_unsafe_flag():
+    check_bind("tcp://10.1.2.3:5555", None, allow_unsafe_remote_rpc=True)
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "udp://127.0.0.1:5",
+        "pgm://eth0;239.0.0.1:5",
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:70000",
+        "127.0.0.1:5555",
+        "tcp://:5555",
+    ],
+)
+def test_unsupported_or_malformed_addresses_are_refused(address):
+    with pytest.raises(BindRefused):
+        check_bind(address, None, allow_unsafe_remote_rpc=True)
+
+
+def test_cli_refuses_a_non_loopback_bind_without_keys(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(
+            [
+                "--engine",
+                "reference",
+                "--device",
+                "cpu",
+                "--address",
+                "tcp://10.1.2.3:5555",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "refusing to bind the non-loopback address" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_wildcard_bind_with_the_unsafe_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                "--engine",
+                "reference",
+                "--device",
+                "cpu",
+                "--address",
+                "tcp://0.0.0.0:5555",
+                "--allow-unsafe-remote-rpc",
+            ]
+        )
+    assert "all interfaces" in capsys.readouterr().err
+
+
+def test_unsafe_remote_bind_logs_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        warn_if_unsafe("tcp://10.1.2.3:5555", None)
+    assert "UNSAFE" in caplog.text
+
+
+def test_local_bind_logs_no_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        warn_if_unsafe("tcp://127.0.0.1:5555", None)
+    assert caplog.text == ""

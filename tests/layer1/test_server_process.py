@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The draft server as a real process behind its ZeroMQ transport."""
+
+import json
+
+import pytest
+from k3_layer1_server import (
+    DEFAULT_OPTIONS,
+    DraftServerProcess,
+    RawClient,
+    entry,
+    free_tcp_port,
+    propose_message,
+)
+
+from vllm.k3_draft import protocol
+
+WIDTH = DEFAULT_OPTIONS["context_width"]
+
+
+def first_proposal(client: RawClient) -> list[list[int]]:
+    frames = propose_message([entry("r", 30, 30, reset=True)], 3, WIDTH, seed=5)
+    reply = json.loads(client.send_frames(frames)[0])
+    assert reply["ok"], reply
+    return reply["tokens"]
+
+
+def test_pong_describes_the_server(raw_client):
+    pong, frames = raw_client.call("PING")
+    assert frames == [] and pong["op"] == "PONG"
+    assert set(pong) == {"ok", "protocol", "op", *protocol.PONG_FIELDS}
+    assert (pong["method"], pong["context_width"], pong["max_batch_size"]) == (
+        "dflash",
+        WIDTH,
+        DEFAULT_OPTIONS["max_num_seqs"],
+    )
+
+
+def test_greedy_propose_reply_is_a_single_frame(raw_client):
+    raw_client.call("CLEAR")
+    frames = propose_message([entry("a", 8, 8, reset=True)], 2, WIDTH)
+    assert len(raw_client.send_frames(frames)) == 1
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory):
+    """A server these tests may stop and restart."""
+    server = DraftServerProcess(tmp_path_factory.mktemp("own")).start()
+    yield server
+    server.stop()
+
+
+def test_restart_changes_server_id_and_forgets_requests(own_server):
+    client = RawClient(own_server.address)
+    client.call("CLEAR")
+    first_proposal(client)
+    before = client.call("PING")[0]
+    own_server.restart()
+    after = client.call("PING")[0]
+    client.close()
+    assert after["server_id"] != before["server_id"]
+    assert (before["active_requests"], after["active_requests"]) == (1, 0)
+
+
+def test_same_seed_gives_the_same_proposals_after_restart(own_server):
+    client = RawClient(own_server.address)
+    client.call("CLEAR")
+    before = first_proposal(client)
+    own_server.restart()
+    after = first_proposal(client)
+    client.close()
+    assert after == before
+
+
+def test_sigterm_stops_the_server_cleanly(own_server):
+    code = own_server.stop()
+    own_server.start()
+    assert code == 0
+
+
+def test_dspark_server_drafts_k_tokens_from_k_query_rows(draft_server_factory):
+    server = draft_server_factory(method="dspark")
+    client = RawClient(server.address)
+    assert client.call("PING")[0]["method"] == "dspark"
+    assert [len(row) for row in first_proposal(client)] == [3]
+    client.close()
+
+
+def test_tcp_loopback_server_serves(draft_server_factory):
+    server = draft_server_factory(address=f"tcp://127.0.0.1:{free_tcp_port()}")
+    client = RawClient(server.address)
+    assert client.call("PING")[0]["ok"]
+    client.close()
