@@ -10,17 +10,25 @@
 * ``make_speculator``: ``make(address, config=None, timeout_ms=2000)`` ->
   ``(speculator, table)``: a ``RemoteK3DSparkSpeculator`` over a fresh host
   token table (``toy_target.TokenTable``).
+* ``scripted_server``: a ``ScriptedServer`` (real ZeroMQ REP on loopback)
+  whose replies each test scripts, for failure kinds a real server never
+  produces.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import zmq
 from k3_layer1_server import free_tcp_port  # sibling module
 from toy_target import MAX_MODEL_LEN, DraftOracle, TokenTable, make_vllm_config
+
+from vllm.k3_draft import protocol
 
 
 @pytest.fixture(scope="session")
@@ -102,3 +110,97 @@ def make_speculator(
     for speculator in built:
         if speculator.plan is not None:
             speculator.plan.client.close()
+
+
+class ScriptedServer:
+    """A REP socket on loopback TCP answering from ``handlers`` (op ->
+    ``handler(header, frames) -> reply frames``), in a thread. Defaults answer
+    like a healthy server whose PONG is ``pong``; ``log`` records the
+    ``(op, header)`` of every request."""
+
+    def __init__(self) -> None:
+        self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.pong: dict[str, Any] = {
+            "method": "dflash",
+            "capabilities": [],
+            "max_requests": 16,
+            "max_batch_size": 8,
+            "max_speculative_tokens": 4,
+            "max_context_tokens": 1024,
+            "context_width": 192,
+            "vocab_size": 1024,
+            "max_model_len": MAX_MODEL_LEN,
+            "block_size": 16,
+            "window_size": 64,
+            "prefix_cache_tokens": 128,
+            "cuda_graph_shapes": [],
+            "active_requests": 0,
+            "server_id": "scripted-1",
+        }
+        self.log: list[tuple[str, dict[str, Any]]] = []
+        self.handlers: dict[str, Callable[[dict[str, Any], list[bytes]], list]] = {}
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.address)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def ops(self) -> list[str]:
+        return [op for op, _ in self.log]
+
+    def default(self, header: dict[str, Any], frames: list[bytes]) -> list:
+        op = header["op"]
+        if op == protocol.OP_PING:
+            return [protocol.encode_header(protocol.ok_reply("PONG", **self.pong))]
+        if op == protocol.OP_PROPOSE:
+            k = header["num_speculative_tokens"]
+            tokens = [[5] * k for _ in header["requests"]]
+            return [
+                protocol.encode_header(
+                    protocol.ok_reply(
+                        op,
+                        tokens=tokens,
+                        latency_ms=0.1,
+                        timing_ms=dict.fromkeys(protocol.TIMING_FIELDS, 0.0),
+                    )
+                )
+            ]
+        if op == protocol.OP_RECONNECT:
+            return [
+                protocol.encode_header(
+                    protocol.ok_reply(
+                        op,
+                        restored_start=0,
+                        prefix_end=header["prefix_end"],
+                        latency_ms=0.1,
+                    )
+                )
+            ]
+        return [protocol.encode_header(protocol.ok_reply(op, active_requests=0))]
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            frames = self._socket.recv_multipart()
+            header = json.loads(frames[0])
+            self.log.append((header["op"], header))
+            handler = self.handlers.get(header["op"], self.default)
+            self._socket.send_multipart(handler(header, frames[1:]))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+@pytest.fixture
+def scripted_server() -> Iterator[ScriptedServer]:
+    server = ScriptedServer()
+    yield server
+    server.close()

@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fail-closed behaviour of ``RemotePlan`` per failure kind, against a
+scripted REP server on loopback (real ZeroMQ) that returns what a healthy
+server never would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.client import DraftClient, ServerRequirements
+from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest
+
+pytest_plugins = ("conftest_client",)
+
+K = 3
+WIDTH = 192
+NEEDS = ServerRequirements(
+    method="dflash",
+    capabilities=frozenset(),
+    context_width=WIDTH,
+    vocab_size=1024,
+    max_model_len=4096,
+    max_num_seqs=8,
+    num_speculative_tokens=K,
+    max_num_batched_tokens=512,
+)
+
+
+@pytest.fixture
+def plan(scripted_server):
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
+    yield plan
+    client.close()
+
+
+def _step(ids: list[str], first: int = 0, count: int = 4) -> StepInputs:
+    tokens = np.arange(64, dtype=np.int32)
+    requests = [
+        StepRequest(rid, first, count, 9, i * count, tokens)
+        for i, rid in enumerate(ids)
+    ]
+    rows = torch.zeros(len(ids) * count, WIDTH, dtype=torch.bfloat16)
+    return StepInputs(requests, K, rows)
+
+
+def _reply(**fields: Any) -> list[bytes]:
+    base = {
+        "tokens": [[1, 2, 3], [4, 5, 6]],
+        "latency_ms": 0.1,
+        "timing_ms": dict.fromkeys(protocol.TIMING_FIELDS, 0.0),
+    }
+    return [protocol.encode_header(protocol.ok_reply("PROPOSE", **{**base, **fields}))]
+
+
+MALFORMED = {
+    "error reply": [
+        protocol.encode_header(protocol.error_reply(ValueError("engine on fire")))
+    ],
+    "not json": [b"\xff{"],
+    "wrong protocol": [b'{"ok": true, "protocol": 1, "op": "PROPOSE"}'],
+    "wrong op": [protocol.encode_header(protocol.ok_reply("FREE"))],
+    "too few rows": _reply(tokens=[[1, 2, 3]]),
+    "short row": _reply(tokens=[[1, 2, 3], [4, 5]]),
+    "out of vocabulary": _reply(tokens=[[1, 2, 3], [4, 5, 1024]]),
+    "negative id": _reply(tokens=[[1, 2, 3], [4, -1, 6]]),
+    "bool id": _reply(tokens=[[1, 2, 3], [4, True, 6]]),
+    "float id": _reply(tokens=[[1, 2, 3], [4, 5.0, 6]]),
+    "no timings": _reply(timing_ms=None),
+    "extra frame": [*_reply(), b"\x00" * 8],
+}
+
+
+@pytest.mark.parametrize("reply", MALFORMED.values(), ids=MALFORMED.keys())
+def test_bad_propose_reply_gives_no_draft_and_marks_stale(plan, scripted_server, reply):
+    scripted_server.handlers["PROPOSE"] = lambda header, frames: reply
+    result = plan.run(_step(["a", "b"]))
+    assert (result.tokens == -1).all() and result.payloads == {}
+    assert plan.retained["a"].stale and plan.retained["b"].stale
+
+
+def test_timeout_gives_no_draft_and_renews_the_socket(plan, scripted_server):
+    def slow(header, frames):
+        import time
+
+        time.sleep(0.6)
+        return scripted_server.default(header, frames)
+
+    scripted_server.handlers["PROPOSE"] = slow
+    assert (plan.run(_step(["a"])).tokens == -1).all()
+    assert plan.server is None and plan.retained["a"].stale
+    del scripted_server.handlers["PROPOSE"]
+    result = plan.run(_step(["a"]))
+    assert (result.tokens == 5).all()
+    assert scripted_server.ops()[-3:] == ["PING", "FREE", "PROPOSE"]
+
+
+def test_stale_requests_are_freed_before_they_are_reset(plan, scripted_server):
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a", "b"]))
+    del scripted_server.handlers["PROPOSE"]
+    scripted_server.log.clear()
+    result = plan.run(_step(["a", "b"], first=4))
+    assert (result.tokens == 5).all()
+    ops = scripted_server.ops()
+    assert ops.index("FREE") < ops.index("PROPOSE")
+    free = scripted_server.log[ops.index("FREE")][1]
+    assert sorted(free["request_ids"]) == ["a", "b"]
+    propose = scripted_server.log[ops.index("PROPOSE")][1]
+    assert all(r["reset"] and r["reset_position"] == 4 for r in propose["requests"])
+
+
+def test_failing_free_keeps_requests_stale(plan, scripted_server):
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a"]))
+    del scripted_server.handlers["PROPOSE"]
+    scripted_server.handlers["FREE"] = lambda h, f: MALFORMED["error reply"]
+    result = plan.run(_step(["a", "b"], first=4))
+    assert (result.tokens[0] == -1).all() and (result.tokens[1] == 5).all()
+    assert plan.retained["a"].stale
+    del scripted_server.handlers["FREE"]
+    assert (plan.run(_step(["a", "b"], first=8)).tokens[0] == 5).all()
+    assert not plan.retained["a"].stale
+
+
+def test_failed_reconnect_forgets_the_prefix_and_cold_bootstraps(plan, scripted_server):
+    plan.run(_step(["src"], count=40))
+    scripted_server.handlers["RECONNECT"] = lambda h, f: MALFORMED["error reply"]
+    scripted_server.log.clear()
+    result = plan.run(_step(["new"], first=32, count=4))
+    assert (result.tokens == 5).all()
+    assert scripted_server.ops() == ["RECONNECT", "PROPOSE"]
+    entry = scripted_server.log[1][1]["requests"][0]
+    assert entry["reset"] and entry["reset_position"] == 32
+    assert not plan.retained["src"].reconnectable
+    scripted_server.log.clear()
+    # Only the forgotten source covers position 20.
+    plan.run(_step(["other"], first=20, count=4))
+    assert scripted_server.ops() == ["PROPOSE"]
+
+
+def test_reconnect_needs_identical_tokens(plan, scripted_server):
+    plan.run(_step(["src"], count=40))
+    scripted_server.log.clear()
+    step = _step(["new"], first=32, count=4)
+    changed = step.requests[0].tokens.copy()
+    changed[3] += 1
+    step = StepInputs([StepRequest("new", 32, 4, 9, 0, changed)], K, step.rows)
+    plan.run(step)
+    assert scripted_server.ops() == ["PROPOSE"]
+    assert scripted_server.log[0][1]["requests"][0]["reset"]
+
+
+def test_server_restart_forgets_retained_requests(plan, scripted_server):
+    plan.run(_step(["a"]))
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a"], first=4))
+    del scripted_server.handlers["PROPOSE"]
+    scripted_server.pong["server_id"] = "scripted-2"
+    scripted_server.log.clear()
+    plan.run(_step(["a"], first=8))
+    assert scripted_server.ops() == ["PING", "PROPOSE"]
+    assert scripted_server.log[1][1]["requests"][0]["reset"]
