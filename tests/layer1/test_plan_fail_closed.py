@@ -6,6 +6,8 @@ server never would."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -86,16 +88,18 @@ def test_bad_propose_reply_gives_no_draft_and_marks_stale(plan, scripted_server,
 
 
 def test_timeout_gives_no_draft_and_renews_the_socket(plan, scripted_server):
-    def slow(header, frames):
-        import time
+    answered = threading.Event()
 
+    def slow(header, frames):
         time.sleep(0.6)
+        answered.set()
         return scripted_server.default(header, frames)
 
     scripted_server.handlers["PROPOSE"] = slow
     assert (plan.run(_step(["a"])).tokens == -1).all()
     assert plan.server is None and plan.retained["a"].stale
     del scripted_server.handlers["PROPOSE"]
+    answered.wait()
     result = plan.run(_step(["a"]))
     assert (result.tokens == 5).all()
     assert scripted_server.ops()[-3:] == ["PING", "FREE", "PROPOSE"]

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``DraftClient``: handshake checks, epoch CLEAR, socket renewal and CURVE."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from vllm.k3_draft.client import (
+    CurveKeys,
+    DraftClient,
+    IncompatibleServerError,
+    ServerRequirements,
+    TransportError,
+)
+from vllm.k3_draft.protocol import ProtocolError
+
+pytest_plugins = ("conftest_client",)
+
+NEEDS = ServerRequirements(
+    method="dflash",
+    capabilities=frozenset(),
+    context_width=192,
+    vocab_size=1024,
+    max_model_len=4096,
+    max_num_seqs=8,
+    num_speculative_tokens=3,
+    max_num_batched_tokens=512,
+)
+
+# PONG field -> an incompatible value for NEEDS.
+INCOMPATIBLE = {
+    "method": "dspark",
+    "capabilities": [],
+    "context_width": 128,
+    "vocab_size": 2048,
+    "max_model_len": 2048,
+    "max_batch_size": 4,
+    "max_requests": 4,
+    "max_speculative_tokens": 2,
+    "max_context_tokens": 256,
+}
+
+
+@pytest.fixture
+def client(scripted_server):
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    yield client
+    client.close()
+
+
+def test_compatible_server_is_accepted(client, scripted_server):
+    info = client.handshake(NEEDS)
+    assert info.server_id == "scripted-1" and info.max_requests == 16
+    assert scripted_server.ops() == ["PING"]
+
+
+@pytest.mark.parametrize("field", INCOMPATIBLE)
+def test_incompatible_pong_field_is_refused(client, scripted_server, field):
+    needs = NEEDS
+    if field == "capabilities":
+        needs = dataclasses.replace(NEEDS, capabilities=frozenset({"logits_v9"}))
+    scripted_server.pong[field] = INCOMPATIBLE[field]
+    with pytest.raises(IncompatibleServerError, match=field):
+        client.handshake(needs)
+
+
+def test_malformed_pong_is_a_protocol_error(client, scripted_server):
+    del scripted_server.pong["server_id"]
+    with pytest.raises(ProtocolError, match="server_id"):
+        client.handshake(NEEDS)
+
+
+def test_requests_of_an_earlier_verifier_are_cleared(client, scripted_server):
+    scripted_server.pong["active_requests"] = 3
+    client.handshake(NEEDS)
+    assert scripted_server.ops() == ["PING", "CLEAR"]
+
+
+def test_own_requests_survive_a_repeated_handshake(client, scripted_server):
+    scripted_server.pong["active_requests"] = 3
+    client.handshake(NEEDS, known_server_id="scripted-1")
+    assert scripted_server.ops() == ["PING"]
+
+
+def test_socket_is_renewed_after_a_timeout(client, scripted_server):
+    answered = threading.Event()
+
+    def slow(header, frames):
+        time.sleep(0.6)
+        answered.set()
+        return scripted_server.default(header, frames)
+
+    scripted_server.handlers["PING"] = slow
+    with pytest.raises(TransportError):
+        client.call("PING")
+    del scripted_server.handlers["PING"]
+    answered.wait()
+    header, _ = client.call("PING")
+    assert header["op"] == "PONG"
+
+
+def test_address_must_be_a_zeromq_endpoint():
+    with pytest.raises(ValueError, match="not a ZeroMQ"):
+        DraftClient("http://127.0.0.1:5555", timeout_ms=100)
+
+
+def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):
+    from k3_layer1_server import free_tcp_port
+
+    keys = tmp_path / "keys"
+    clients = tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(keys, "server")
+    client_public, client_secret = zmq.auth.create_certificates(keys, "client")
+    (clients / "client.key").write_bytes(Path(client_public).read_bytes())
+    server = draft_server_factory(
+        address=f"tcp://127.0.0.1:{free_tcp_port()}",
+        curve_secret_key=server_secret,
+        curve_authorized_keys=clients,
+    )
+    curve = DraftClient(
+        server.address, 5000, CurveKeys.load(server_public, client_secret)
+    )
+    try:
+        assert curve.handshake(NEEDS).max_requests == 16
+    finally:
+        curve.close()
+    plain = DraftClient(server.address, 500)
+    try:
+        with pytest.raises(TransportError):
+            plain.call("PING")
+    finally:
+        plain.close()
