@@ -16,7 +16,7 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = ROOT / "build" / "requirements-qualify.txt"
-TOOLS = ["ruff==0.14.4", "mypy==1.18.2"]
+TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
 LINT_PATHS = ["overlay", "build", "tests", "bench", "noxfile.py"]
 
 nox.options.sessions = ["apply", "build"]
@@ -26,7 +26,11 @@ nox.options.default_venv_backend = "venv"
 
 def _stack(session: nox.Session, *args: str) -> None:
     session.run(
-        sys.executable, "-m", "k3stack", *args, env={"PYTHONPATH": str(ROOT / "build")},
+        sys.executable,
+        "-m",
+        "k3stack",
+        *args,
+        env={"PYTHONPATH": str(ROOT / "build")},
         external=True,
     )
 
@@ -65,8 +69,13 @@ def validate(session: nox.Session) -> None:
 def qualify(session: nox.Session) -> None:
     """Every prefix of the stack: apply, install, import, suites (``-- --layer N``)."""
     session.install("-r", str(REQUIREMENTS))
-    _stack(session, "qualify", "--python", str(Path(session.bin) / "python"),
-           *session.posargs)
+    _stack(
+        session,
+        "qualify",
+        "--python",
+        str(Path(session.bin) / "python"),
+        *session.posargs,
+    )
 
 
 @nox.session
@@ -89,8 +98,12 @@ def typecheck(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """The GPU-marked tests, on a machine with CUDA."""
     probe = session.run(
-        "python3", "-c", "import torch; print(torch.cuda.is_available())",
-        silent=True, success_codes=[0, 1], external=True,
+        "python3",
+        "-c",
+        "import torch; print(torch.cuda.is_available())",
+        silent=True,
+        success_codes=[0, 1],
+        external=True,
     )
     if not probe or "True" not in probe:
         session.skip("no CUDA device here: the GPU tests run on a machine with one")

@@ -36,7 +36,13 @@ class BuildResult:
 def tree_changes(tree: Path, rev: str) -> WheelChanges:
     """The package files that ``rev`` changes relative to pristine upstream."""
     out = git(
-        tree, "diff", "--name-status", "--no-renames", UPSTREAM_TAG, rev, "--",
+        tree,
+        "diff",
+        "--name-status",
+        "--no-renames",
+        UPSTREAM_TAG,
+        rev,
+        "--",
         *PACKAGE_ROOTS,
     )
     files: dict[str, bytes] = {}
@@ -98,7 +104,10 @@ def build(
             "version": pin.version,
             "commit": pin.commit,
             "sdist": {"filename": pin.sdist.filename, "sha256": pin.sdist.sha256},
-            "wheel": {"filename": upstream_wheel.name, "sha256": sha256_file(upstream_wheel)},
+            "wheel": {
+                "filename": upstream_wheel.name,
+                "sha256": sha256_file(upstream_wheel),
+            },
             "base_image": pin.base_image,
         },
         "stack": {
@@ -165,7 +174,9 @@ def docker_build(context: Path, tag: str) -> str:
             timeout=20,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"docker: no engine answered ({type(e).__name__}); context ready: {context}"
+        return (
+            f"docker: no engine answered ({type(e).__name__}); context ready: {context}"
+        )
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or ["no answer"])[-1]
         return f"docker: no engine answered ({reason[:120]}); context ready: {context}"

@@ -27,7 +27,9 @@ def pristine_message(pin: Pin) -> str:
     return f"{pin.name} {pin.version} (upstream {pin.commit}), pristine\n"
 
 
-def do_apply(stack: Stack, pin: Pin, tree: Path, upto: int | None, source: Path | None) -> None:
+def do_apply(
+    stack: Stack, pin: Pin, tree: Path, upto: int | None, source: Path | None
+) -> None:
     if source is None:
         sdist = fetch(pin.sdist, pin.name)
 

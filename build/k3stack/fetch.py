@@ -109,9 +109,7 @@ def project_files(index_url: str, project: str) -> dict[str, str]:
         raise StackError(f"cannot read the index page {page}: {e}") from e
     if content_type.startswith(_JSON_ACCEPT):
         files = json.loads(body)["files"]
-        return {
-            f["filename"]: urllib.parse.urljoin(page, f["url"]) for f in files
-        }
+        return {f["filename"]: urllib.parse.urljoin(page, f["url"]) for f in files}
     parser = _LinkParser()
     parser.feed(body.decode("utf-8", "replace"))
     result = {}
@@ -146,10 +144,12 @@ def download(url: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".part")
     try:
-        with urllib.request.urlopen(url, timeout=120) as response:
-            with partial.open("wb") as out:
-                while chunk := response.read(_CHUNK):
-                    out.write(chunk)
+        with (
+            urllib.request.urlopen(url, timeout=120) as response,
+            partial.open("wb") as out,
+        ):
+            while chunk := response.read(_CHUNK):
+                out.write(chunk)
     except OSError as e:
         partial.unlink(missing_ok=True)
         raise StackError(f"download of {url} failed: {e}") from e

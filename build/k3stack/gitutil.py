@@ -22,9 +22,11 @@ def git(
     stdin: bytes | None = None,
 ) -> str:
     """Run ``git args`` in ``cwd`` and return its stdout (stripped of one \\n)."""
-    return git_bytes(cwd, *args, date=date, check=check, stdin=stdin).decode(
-        "utf-8", "replace"
-    ).removesuffix("\n")
+    return (
+        git_bytes(cwd, *args, date=date, check=check, stdin=stdin)
+        .decode("utf-8", "replace")
+        .removesuffix("\n")
+    )
 
 
 def git_bytes(

@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3-stack self-check: {len(problems)} problems", file=sys.stderr)
         return 1
     lock = json.loads((args.payload / "stack.lock.json").read_text())
-    print(
-        f"k3-stack self-check: {lock['payload']['dist_info']} verified in {site}"
-    )
+    print(f"k3-stack self-check: {lock['payload']['dist_info']} verified in {site}")
     return 0
 
 

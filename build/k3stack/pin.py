@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import platform
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from k3stack import StackError
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3stack import StackError
-from k3stack.artifacts import INSTALLER, build
+from k3stack.artifacts import build
 from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
 from k3stack.pin import Pin
@@ -85,16 +85,36 @@ def read_junit(path: Path) -> Outcomes:
 
 
 def run_pytest(
-    python: str, cwd: Path, site: Path, targets: list[str], junit: Path, extra_path: list[Path]
+    python: str,
+    cwd: Path,
+    site: Path,
+    targets: list[str],
+    junit: Path,
+    extra_path: list[Path],
 ) -> tuple[int, Outcomes]:
     env = {**os.environ, **TEST_ENV}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in [site, *extra_path])
     cmd = [
-        python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-        f"--timeout={PER_TEST_TIMEOUT_S}", f"--junitxml={junit}", *targets,
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not gpu",
+        f"--timeout={PER_TEST_TIMEOUT_S}",
+        f"--junitxml={junit}",
+        *targets,
     ]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     tail = proc.stdout.strip().splitlines()[-1:] or [""]
     print(f"qualify:   pytest {' '.join(targets)[:90]} -> {tail[0][:120]}", flush=True)
     if proc.returncode not in (0, 1, 5):
@@ -108,8 +128,16 @@ def install_site(python: str, pristine: Path, payload: Path, site: Path) -> None
         shutil.rmtree(site)
     shutil.copytree(pristine, site, copy_function=os.link, symlinks=True)
     proc = subprocess.run(
-        [python, str(payload / "install.py"), "--payload", str(payload), "--site", str(site)],
-        capture_output=True, text=True,
+        [
+            python,
+            str(payload / "install.py"),
+            "--payload",
+            str(payload),
+            "--site",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
         raise StackError(f"install into {site} failed: {proc.stderr.strip()[-300:]}")
@@ -124,8 +152,18 @@ def pristine_site(python: str, wheel: Path, work: Path) -> Path:
     if site.exists():
         shutil.rmtree(site)
     subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-         "--target", str(site), str(wheel)],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
         check=True,
     )
     stamp.write_text(key)
@@ -142,7 +180,9 @@ def export_tests(tree: Path, rev: str, dest: Path, paths: list[str]) -> None:
         tar.extractall(dest, filter="data")
     missing = [p for p in paths if not (dest / p).exists()]
     if missing:
-        raise StackError(f"upstream tests not in the tree at {rev}: {', '.join(missing)}")
+        raise StackError(
+            f"upstream tests not in the tree at {rev}: {', '.join(missing)}"
+        )
 
 
 def overlay_modules(layers: list[Layer]) -> list[str]:
@@ -169,7 +209,9 @@ def check_imports(python: str, site: Path, modules: list[str]) -> list[str]:
     env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(site)}
     proc = subprocess.run(
         [python, "-c", script, "vllm", "vllm.envs", *modules],
-        capture_output=True, text=True, env=env,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if proc.returncode != 0:
         return [proc.stderr.strip().splitlines()[-1]]
@@ -198,15 +240,25 @@ def baseline(
         cache.write_text(json.dumps(outcomes.results, indent=1, sort_keys=True))
     failing = sorted(t for t, s in outcomes.results.items() if s != "passed")
     (out / "baseline.json").write_text(
-        json.dumps({"tests": sorted(tests), "not_passing_on_pristine": failing},
-                   indent=2) + "\n"
+        json.dumps(
+            {"tests": sorted(tests), "not_passing_on_pristine": failing}, indent=2
+        )
+        + "\n"
     )
     return outcomes
 
 
 def qualify_layer(
-    stack: Stack, pin: Pin, layer: Layer, tree: Path, wheel: Path, site0: Path,
-    base: Outcomes, python: str, work: Path, out: Path,
+    stack: Stack,
+    pin: Pin,
+    layer: Layer,
+    tree: Path,
+    wheel: Path,
+    site0: Path,
+    base: Outcomes,
+    python: str,
+    work: Path,
+    out: Path,
 ) -> Row:
     row = Row(f"{layer.number} {layer.name}")
     n = layer.number
@@ -224,7 +276,11 @@ def qualify_layer(
         junit = out / f"layer-{n}-focused.xml"
         code, focused = run_pytest(python, stack.root, site, suite, junit, [])
         junits.append(junit)
-        p, f, s = focused.count("passed"), focused.count("failed"), focused.count("skipped")
+        p, f, s = (
+            focused.count("passed"),
+            focused.count("failed"),
+            focused.count("skipped"),
+        )
         row.focused = f"{p} passed, {f} failed" + (f", {s} skipped" if s else "")
         row.passed += p
         row.failed += f
@@ -241,10 +297,13 @@ def qualify_layer(
         _, now = run_pytest(python, dest, site, sorted(tests), junit, [])
         junits.append(junit)
         regressions = sorted(
-            t for t, s in now.results.items()
+            t
+            for t, s in now.results.items()
             if s != "passed" and base.results.get(t, "passed") == "passed"
         )
-        known = sum(1 for t, s in now.results.items() if s != "passed") - len(regressions)
+        known = sum(1 for t, s in now.results.items() if s != "passed") - len(
+            regressions
+        )
         row.upstream = (
             f"{now.count('passed')} passed, {len(regressions)} regressions, "
             f"{known} fail on pristine too"
@@ -294,10 +353,16 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     targets = [stack.layer(args.layer)] if args.layer else stack.layers
     rows = [Row("tooling", applies="n/a", imports="n/a", upstream="n/a")]
     code, tooling = run_pytest(
-        args.python, stack.root, stack.root / "build", ["tests/tooling"],
-        out / "tooling.xml", [],
+        args.python,
+        stack.root,
+        stack.root / "build",
+        ["tests/tooling"],
+        out / "tooling.xml",
+        [],
     )
-    rows[0].focused = f"{tooling.count('passed')} passed, {tooling.count('failed')} failed"
+    rows[
+        0
+    ].focused = f"{tooling.count('passed')} passed, {tooling.count('failed')} failed"
     rows[0].passed, rows[0].failed = tooling.count("passed"), tooling.count("failed")
     rows[0].ok = code == 0 and tooling.count("passed") > 0
 
@@ -308,8 +373,13 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         shutil.rmtree(tree)
     upto = max(layer.number for layer in targets)
     try:
-        build_tree(stack, tree, lambda d: extract_sdist(sdist, d),
-                   f"{pin.name} {pin.version} pristine\n", upto)
+        build_tree(
+            stack,
+            tree,
+            lambda d: extract_sdist(sdist, d),
+            f"{pin.name} {pin.version} pristine\n",
+            upto,
+        )
     except StackError as e:
         rows.append(Row(f"apply 1..{upto}", applies=f"FAIL: {e}", ok=False))
         _finish(rows, out, start)
@@ -319,9 +389,11 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     base = baseline(args.python, tree, site0, wanted, work, out)
     for layer in targets:
         print(f"qualify: layer {layer.number} ({layer.name})", flush=True)
-        rows.append(qualify_layer(
-            stack, pin, layer, tree, wheel, site0, base, args.python, work, out
-        ))
+        rows.append(
+            qualify_layer(
+                stack, pin, layer, tree, wheel, site0, base, args.python, work, out
+            )
+        )
     _finish(rows, out, start)
 
 

@@ -83,7 +83,9 @@ def _conflict_hunks(tree: Path, path: str) -> list[str]:
     return ranges
 
 
-def classify(stack: Stack, tree: Path, new_upstream: Path, message: str) -> list[LayerResult]:
+def classify(
+    stack: Stack, tree: Path, new_upstream: Path, message: str
+) -> list[LayerResult]:
     """Classify every layer of the applied ``tree`` on ``new_upstream``."""
     git(tree, "checkout", "-q", "--orphan", "rebase-target")
     git(tree, "rm", "-rfq", "--cached", ".")
@@ -257,9 +259,20 @@ def write_pin(pin: Pin, version: str, tree: Path, sdist: Path, info: dict) -> No
         f'sha256 = "{sha256_file(sdist)}"',
     ]
     for arch, (name, size, sha) in sorted(wheels.items()):
-        lines += ["", f"[upstream.wheels.{arch}]", f'filename = "{name}"',
-                  f"size = {size}", f'sha256 = "{sha}"']
+        lines += [
+            "",
+            f"[upstream.wheels.{arch}]",
+            f'filename = "{name}"',
+            f"size = {size}",
+            f'sha256 = "{sha}"',
+        ]
     base = pin.base_image.rsplit(":", 1)[0]
-    lines += ["", "[image]", "# The official image of the same release; the stack "
-              "adds one small layer on it.", f'base = "{base}:v{version}"', ""]
+    lines += [
+        "",
+        "[image]",
+        "# The official image of the same release; the stack "
+        "adds one small layer on it.",
+        f'base = "{base}:v{version}"',
+        "",
+    ]
     PIN_FILE.write_text("\n".join(lines))

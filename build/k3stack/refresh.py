@@ -47,8 +47,17 @@ def read_layer(
     diff = b""
     if upstream_paths:
         diff = git_bytes(
-            tree, "diff", "--full-index", "--no-renames", "--no-color",
-            "--no-ext-diff", "-U3", parent, commit, "--", *upstream_paths,
+            tree,
+            "diff",
+            "--full-index",
+            "--no-renames",
+            "--no-color",
+            "--no-ext-diff",
+            "-U3",
+            parent,
+            commit,
+            "--",
+            *upstream_paths,
         )
     patch.diff = diff
     patch.files = parse_diff(diff, where)
@@ -111,7 +120,9 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     return changed
 
 
-def _write_overlay(stack: Stack, before: list[str], owned: dict[str, bytes]) -> list[str]:
+def _write_overlay(
+    stack: Stack, before: list[str], owned: dict[str, bytes]
+) -> list[str]:
     changed = []
     for rel, data in sorted(owned.items()):
         target = stack.overlay_dir / rel

@@ -90,9 +90,7 @@ def load_stack(root: Path) -> Stack:
         seen.add(entry)
         if not (patches_dir / entry).is_file():
             raise StackError(f"patches/series lists {entry}, which does not exist")
-    unlisted = sorted(
-        p.name for p in patches_dir.glob("*.patch") if p.name not in seen
-    )
+    unlisted = sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in seen)
     if unlisted:
         raise StackError(f"patch files not in patches/series: {', '.join(unlisted)}")
     layers = [

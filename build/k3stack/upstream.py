@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import tarfile
 from pathlib import Path
 
@@ -27,10 +28,10 @@ def extract_sdist(sdist: Path, dest: Path) -> None:
             member = tarfile.data_filter(member, path)
             return member.replace(
                 name=member.name[len(top) + 1 :],
-                uid=None,
-                gid=None,
-                uname=None,
-                gname=None,
+                uid=os.getuid(),
+                gid=os.getgid(),
+                uname="",
+                gname="",
                 deep=False,
             )
 

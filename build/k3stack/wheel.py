@@ -69,8 +69,17 @@ class _ZipWriter:
             raise StackError(f"{name}: the wheel outgrew the zip32 format")
         self.out.write(
             _LOCAL.pack(
-                b"PK\x03\x04", 20, flags, method, _DOS_TIME, _DOS_DATE, crc,
-                len(compressed), size, len(encoded), 0,
+                b"PK\x03\x04",
+                20,
+                flags,
+                method,
+                _DOS_TIME,
+                _DOS_DATE,
+                crc,
+                len(compressed),
+                size,
+                len(encoded),
+                0,
             )
         )
         self.out.write(encoded)
@@ -78,8 +87,23 @@ class _ZipWriter:
         mode = 0o100755 if executable else 0o100644
         self.central.append(
             _CENTRAL.pack(
-                b"PK\x01\x02", 0x0314, 20, flags, method, _DOS_TIME, _DOS_DATE, crc,
-                len(compressed), size, len(encoded), 0, 0, 0, 0, mode << 16, offset,
+                b"PK\x01\x02",
+                0x0314,
+                20,
+                flags,
+                method,
+                _DOS_TIME,
+                _DOS_DATE,
+                crc,
+                len(compressed),
+                size,
+                len(encoded),
+                0,
+                0,
+                0,
+                0,
+                mode << 16,
+                offset,
             )
             + encoded
         )
@@ -88,7 +112,11 @@ class _ZipWriter:
         compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
         compressed = compressor.compress(data) + compressor.flush()
         self.add(
-            name, zipfile.ZIP_DEFLATED, zlib.crc32(data), compressed, len(data),
+            name,
+            zipfile.ZIP_DEFLATED,
+            zlib.crc32(data),
+            compressed,
+            len(data),
             executable,
         )
 

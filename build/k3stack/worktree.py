@@ -64,8 +64,17 @@ def guard_existing(tree: Path) -> None:
 
 def commit_all(tree: Path, message: str, date: str) -> None:
     git(tree, "add", "-A")
-    git(tree, "commit", "-q", "--allow-empty", "--no-verify", "-F", "-",
-        date=date, stdin=message.encode())
+    git(
+        tree,
+        "commit",
+        "-q",
+        "--allow-empty",
+        "--no-verify",
+        "-F",
+        "-",
+        date=date,
+        stdin=message.encode(),
+    )
 
 
 def apply_layer(tree: Path, stack: Stack, layer: Layer) -> None:

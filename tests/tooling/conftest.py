@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "build"))
 from k3stack.gitutil import git  # noqa: E402
 from k3stack.pin import Artifact, Pin  # noqa: E402
 from k3stack.series import Stack, load_stack  # noqa: E402
-from k3stack.worktree import build_tree  # noqa: E402
 from k3stack.upstream import extract_sdist  # noqa: E402
+from k3stack.worktree import build_tree  # noqa: E402
 
 UPSTREAM_FILES = {
     "vllm/__init__.py": "VERSION = '1.0'\n",
@@ -110,8 +110,11 @@ class Synthetic:
     def apply(self, upto: int | None = None, sdist: Path | None = None) -> None:
         source = sdist or self.sdist
         build_tree(
-            self.stack(), self.tree, lambda d: extract_sdist(source, d),
-            "vllm 1.0 pristine\n", upto,
+            self.stack(),
+            self.tree,
+            lambda d: extract_sdist(source, d),
+            "vllm 1.0 pristine\n",
+            upto,
         )
 
     def amend(self, n: int, edit: dict[str, str], delete: tuple[str, ...] = ()) -> None:
@@ -136,7 +139,9 @@ def write_stack(root: Path, layers: int) -> None:
     (root / "patches").mkdir(parents=True)
     (root / "overlay" / "vllm").mkdir(parents=True)
     names = [f"{n:04d}-layer-{n}.patch" for n in range(1, layers + 1)]
-    (root / "patches" / "series").write_text("# test series\n" + "\n".join(names) + "\n")
+    (root / "patches" / "series").write_text(
+        "# test series\n" + "\n".join(names) + "\n"
+    )
     for n, name in enumerate(names, start=1):
         (root / "patches" / name).write_text(
             PATCH_TEMPLATE.format(subject=f"Layer {n}", n=n)
@@ -153,8 +158,14 @@ def synthetic(tmp_path: Path) -> Synthetic:
     git(root, "commit", "-q", "-m", "stack")
     sdist = make_sdist(tmp_path / "vllm-1.0.tar.gz", UPSTREAM_FILES)
     wheel = make_wheel(tmp_path / "vllm-1.0-cp38-abi3-manylinux_2_28_x86_64.whl")
-    pin = Pin("vllm", "1.0", "abc1234", artifact(sdist), {"x86_64": artifact(wheel)},
-              "vllm/vllm-openai:v1.0")
+    pin = Pin(
+        "vllm",
+        "1.0",
+        "abc1234",
+        artifact(sdist),
+        {"x86_64": artifact(wheel)},
+        "vllm/vllm-openai:v1.0",
+    )
     syn = Synthetic(root, sdist, wheel, pin, tmp_path / "tree")
     syn.apply()
     return syn

@@ -51,7 +51,10 @@ def test_refresh_takes_an_edit_into_its_own_layer_only(filled: Synthetic) -> Non
     filled.amend(2, {"vllm/logits.py": "TOPK = 16\n"})
     changed = refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 1))
     after = snapshot(filled)
-    assert changed == ["overlay/vllm/logits.py: updated", "patches/0002-layer-2.patch: updated"]
+    assert changed == [
+        "overlay/vllm/logits.py: updated",
+        "patches/0002-layer-2.patch: updated",
+    ]
     assert after["overlay/vllm/logits.py"] == b"TOPK = 16\n"
     assert b"Last-Update: 2026-12-01" in after["patches/0002-layer-2.patch"]
     for untouched in ("patches/0001-layer-1.patch", "patches/0003-layer-3.patch"):
@@ -66,7 +69,9 @@ def test_refresh_gives_a_new_file_to_the_layer_that_added_it(filled: Synthetic) 
     assert (filled.root / "overlay/vllm/deferred.py").read_text() == "ON = True\n"
 
 
-def test_refresh_refuses_a_layer_that_edits_a_lower_layers_file(filled: Synthetic) -> None:
+def test_refresh_refuses_a_layer_that_edits_a_lower_layers_file(
+    filled: Synthetic,
+) -> None:
     filled.apply()
     filled.amend(3, {"vllm/logits.py": "TOPK = 1\n"})
     with pytest.raises(StackError, match="lower layer owns"):

@@ -26,7 +26,9 @@ def build_into(syn: Synthetic, out: Path):
     return build(syn.stack(), syn.pin, syn.tree, syn.wheel, out, layers=3)
 
 
-def test_two_builds_give_the_same_wheel_sha256(filled: Synthetic, tmp_path: Path) -> None:
+def test_two_builds_give_the_same_wheel_sha256(
+    filled: Synthetic, tmp_path: Path
+) -> None:
     filled.apply()
     first = build_into(filled, tmp_path / "a")
     second = build_into(filled, tmp_path / "b")
@@ -45,7 +47,9 @@ def test_the_wheel_carries_a_local_version_and_a_valid_record(
     with zipfile.ZipFile(result.wheel) as zf:
         assert zf.testzip() is None
         dist_info = f"vllm-1.0+stack.{local}.dist-info"
-        assert f"Version: 1.0+stack.{local}\n" in zf.read(f"{dist_info}/METADATA").decode()
+        assert (
+            f"Version: 1.0+stack.{local}\n" in zf.read(f"{dist_info}/METADATA").decode()
+        )
         rows = list(csv.reader(io.StringIO(zf.read(f"{dist_info}/RECORD").decode())))
         names = {i.filename for i in zf.infolist()}
         assert {row[0] for row in rows} == names
@@ -72,7 +76,10 @@ def test_the_image_context_holds_only_changed_files_and_labels(
     )
     code = [p for p in payload if not p.startswith("vllm-1.0+")]
     assert code == [
-        "vllm/envs.py", "vllm/logits.py", "vllm/model.py", "vllm/remote/__init__.py"
+        "vllm/envs.py",
+        "vllm/logits.py",
+        "vllm/model.py",
+        "vllm/remote/__init__.py",
     ]
     dockerfile = (result.context / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE=vllm/vllm-openai:v1.0" in dockerfile
@@ -142,7 +149,9 @@ def test_the_lock_records_inputs_tree_and_artifacts(
     assert lock["upstream"]["sdist"]["sha256"] == filled.pin.sdist.sha256
     assert lock["upstream"]["wheel"]["sha256"] == filled.pin.wheels["x86_64"].sha256
     assert [layer["patch"] for layer in lock["stack"]["layers"]] == [
-        "0001-layer-1.patch", "0002-layer-2.patch", "0003-layer-3.patch"
+        "0001-layer-1.patch",
+        "0002-layer-2.patch",
+        "0003-layer-3.patch",
     ]
     assert lock["artifacts"]["wheel"]["sha256"] == sha256_file(result.wheel)
     assert len(lock["tree"]["package_trees"]["vllm"]) == 40

@@ -27,8 +27,14 @@ def index(synthetic: Synthetic) -> Iterator[str]:
         def do_GET(self) -> None:  # noqa: N802
             if self.path == "/simple/vllm/":
                 body = json.dumps(
-                    {"files": [{"filename": synthetic.sdist.name,
-                                "url": f"/files/{synthetic.sdist.name}"}]}
+                    {
+                        "files": [
+                            {
+                                "filename": synthetic.sdist.name,
+                                "url": f"/files/{synthetic.sdist.name}",
+                            }
+                        ]
+                    }
                 ).encode()
                 kind = "application/vnd.pypi.simple.v1+json"
             elif self.path == f"/files/{synthetic.sdist.name}":

@@ -26,9 +26,13 @@ def test_rebase_tells_clean_three_way_and_already_upstream_apart(
     files = dict(UPSTREAM_FILES)
     # Layer 2's file moved down: only a three-way merge lands it.
     files["vllm/model.py"] = "# moved\n" * 5 + files["vllm/model.py"]
-    results = classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
     assert [(r.number, r.status) for r in results] == [
-        (1, "clean"), (2, "3-way"), (3, "clean")
+        (1, "clean"),
+        (2, "3-way"),
+        (3, "clean"),
     ]
     assert results[1].hunks[0].startswith("vllm/model.py hunk 1")
 
@@ -38,8 +42,12 @@ def test_rebase_reports_the_conflicting_files_and_hunks(
 ) -> None:
     filled.apply()
     files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace("SETTING_5 = 5", "SETTING_5 = 6")
-    results = classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5", "SETTING_5 = 6"
+    )
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
     assert results[0].status == "conflict"
     assert results[0].files == ["vllm/envs.py"]
     assert any(h.startswith("vllm/envs.py hunk 1") for h in results[0].hunks)
@@ -52,8 +60,12 @@ def test_rebase_recognises_a_layer_that_is_already_upstream(
 ) -> None:
     filled.apply()
     files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace("SETTING_5 = 5", "SETTING_5 = 55")
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5", "SETTING_5 = 55"
+    )
     files["vllm/remote/__init__.py"] = "PORT = 1\n"
-    results = classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
     assert results[0].status == "already-upstream"
     assert [r.status for r in results[1:]] == ["clean", "clean"]
