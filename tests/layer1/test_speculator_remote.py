@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``RemoteK3DSparkSpeculator`` with a real VllmConfig, real InputBatch and a
+scripted server (real ZeroMQ): what reaches the server and what propose()
+returns. The request table is ``toy_target.TokenTable`` (upstream's
+``RequestState`` needs a CUDA driver to build)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from k3_layer1_server import free_tcp_port
+from toy_target import HIDDEN, NUM_AUX, make_input_batch
+
+from vllm.k3_draft.client import IncompatibleServerError
+from vllm.k3_draft.plan import RemotePlan
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
+    ImmediateResolution,
+)
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+
+pytest_plugins = ("conftest_client",)
+
+K = 3
+
+
+def _propose(speculator, **kwargs):
+    """One step of two decoding requests (rows 3 and 5 of the table)."""
+    n, per = 2, K + 1
+    input_batch = make_input_batch(
+        ["a", "b"],
+        np.array([3, 5]),
+        np.array([0, per, 2 * per], dtype=np.int32),
+        torch.cat([torch.arange(10, 10 + per), torch.arange(20, 20 + per)]),
+        n * per,
+    )
+    aux = [torch.zeros(n * per, HIDDEN) for _ in range(NUM_AUX)]
+    return speculator.propose(
+        input_batch,
+        {},
+        {},
+        aux[0],
+        aux,
+        torch.tensor([2, 1], dtype=torch.int32),
+        torch.tensor([2, 3], dtype=torch.int32),
+        torch.zeros(8, 1, dtype=torch.int64),
+        torch.zeros(1, 8, dtype=torch.int32),
+        torch.zeros(8),
+        torch.zeros(8, dtype=torch.int64),
+        **kwargs,
+    )
+
+
+def test_is_a_base_speculator_with_conforming_graph_hooks(
+    make_speculator, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    assert isinstance(speculator, BaseSpeculator)
+    assert isinstance(speculator.resolution, ImmediateResolution)
+    assert isinstance(speculator.plan, RemotePlan)
+    speculator.init_cudagraph_manager(None)
+    speculator.capture()
+    assert speculator.draft_logits is None
+    assert scripted_server.ops() == ["PING"]
+
+
+def test_propose_sends_valid_rows_and_returns_contiguous_drafts(
+    make_speculator, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    drafts = _propose(speculator)
+    assert drafts.shape == (2, K) and drafts.dtype == torch.int64
+    assert drafts.is_contiguous() and (drafts == 5).all()
+    propose = scripted_server.log[-1][1]
+    assert [
+        (r["anchor_position"], r["context_count"]) for r in propose["requests"]
+    ] == [
+        (12, 2),
+        (21, 1),
+    ]
+
+
+@pytest.mark.parametrize("flag", ["dummy_run", "is_profile"])
+def test_dummy_and_profile_runs_do_not_reach_the_server(
+    make_speculator, scripted_server, flag
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    drafts = _propose(speculator, **{flag: True})
+    assert drafts.shape == (2, K) and (drafts == -1).all()
+    assert scripted_server.ops() == ["PING"]
+
+
+def test_zero_tokens_keeps_the_server_in_sync_without_drafts(
+    make_speculator, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    drafts = _propose(speculator, num_speculative_tokens=0)
+    assert drafts.shape == (2, K) and (drafts == -1).all()
+    assert scripted_server.log[-1][1]["num_speculative_tokens"] == 1
+
+
+def test_fewer_tokens_fill_the_rest_with_no_draft(make_speculator, scripted_server):
+    speculator, _ = make_speculator(scripted_server.address)
+    drafts = _propose(speculator, num_speculative_tokens=2)
+    assert (drafts[:, :2] == 5).all() and (drafts[:, 2] == -1).all()
+    assert scripted_server.log[-1][1]["num_speculative_tokens"] == 2
+
+
+def test_incompatible_server_is_refused_at_init(make_speculator, scripted_server):
+    scripted_server.pong["context_width"] = 4096
+    with pytest.raises(IncompatibleServerError, match="context_width"):
+        make_speculator(scripted_server.address)
+
+
+def test_unreachable_server_starts_without_drafts(make_speculator):
+    speculator, _ = make_speculator(
+        f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=200
+    )
+    assert speculator.plan.server is None
+    assert (_propose(speculator) == -1).all()
+
+
+def test_request_state_exposes_the_host_token_table(monkeypatch):
+    """The states.py hook: ``all_token_ids_cpu`` is the UVA buffer's host side
+    (UVA itself is faked: it needs a CUDA driver)."""
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.states import RequestState
+
+    class HostUvaBuffer:
+        def __init__(self, size, dtype):
+            self.cpu = torch.zeros(size, dtype=dtype)
+            self.np = self.cpu.numpy()
+
+        def uva(self, n=None):
+            return self.cpu[:n] if n is not None else self.cpu
+
+    monkeypatch.setattr(buffer_utils, "UvaBuffer", HostUvaBuffer)
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: True)
+    states = RequestState(4, 64, 32, K, 1024, torch.device("cpu"))
+    assert states.all_token_ids_cpu is states.all_token_ids._uva_buf.cpu
+    dense = RequestState(
+        4, 64, 32, K, 1024, torch.device("cpu"), use_dense_all_token_ids=True
+    )
+    assert dense.all_token_ids_cpu is None
