@@ -91,7 +91,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over the overlay, the tooling, the tests and this file."""
     session.install(TOOLS[1], "nox", "pytest", "numpy", "pyzmq", "prometheus_client")
-    session.run("mypy", *LINT_PATHS)
+    session.run("mypy", *LINT_PATHS, env={"MYPYPATH": str(ROOT / "build")})
 
 
 @nox.session
@@ -112,7 +112,15 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The benchmarks (figures are written down, never asserted)."""
+    """The benchmarks against the applied stack (run `nox -s apply` first).
+
+    Figures are written down with the command that produced them, never
+    asserted."""
     session.install("-r", str(REQUIREMENTS))
+    python = str(Path(session.bin) / "python")
+    site = ROOT / ".work" / "site"
+    _stack(session, "site", "--python", python, "--dest", str(site))
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        session.run("python", str(script), *session.posargs)
+        session.run(
+            "python", str(script), *session.posargs, env={"PYTHONPATH": str(site)}
+        )

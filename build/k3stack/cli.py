@@ -75,6 +75,19 @@ def cmd_build(args: argparse.Namespace) -> None:
     print(f"build: {docker_build(result.context, tag)}")
 
 
+def cmd_site(args: argparse.Namespace) -> None:
+    from k3stack.qualify import install_site, pristine_site
+
+    stack, pin = load_stack(ROOT), load_pin()
+    marker = read_marker(args.tree)
+    wheel = fetch(pin.wheel(), pin.name)
+    work = ROOT / ".work"
+    result = build(stack, pin, args.tree, wheel, work / "site-dist", marker["layers"])
+    site0 = pristine_site(args.python, wheel, work / "qualify")
+    install_site(args.python, site0, result.context / "stack", args.dest)
+    print(f"site: {result.version} installed in {args.dest}")
+
+
 def cmd_validate(args: argparse.Namespace) -> None:
     stack = load_stack(ROOT)
     print(f"validate: {len(stack.layers)} layers, series and overlay ownership ok")
@@ -107,6 +120,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tree", type=Path, default=DEFAULT_TREE)
     b.add_argument("--dist", type=Path, default=DEFAULT_DIST)
     b.set_defaults(func=cmd_build)
+    st = sub.add_parser("site", help="install the applied stack into a folder")
+    st.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    st.add_argument("--dest", type=Path, default=ROOT / ".work" / "site")
+    st.add_argument("--python", default=sys.executable)
+    st.set_defaults(func=cmd_site)
     v = sub.add_parser("validate", help="check the series and overlay ownership")
     v.set_defaults(func=cmd_validate)
     rb = sub.add_parser("rebase", help="classify every layer on another upstream")

@@ -10,8 +10,15 @@ from pathlib import Path
 from k3stack import StackError
 from k3stack.gitutil import dirty_paths, git, git_bytes, is_work_tree
 from k3stack.patchfile import LayerPatch, parse_commit_message, parse_diff
-from k3stack.series import Stack
-from k3stack.worktree import UPSTREAM_TAG, read_marker, write_marker
+from k3stack.series import Stack, load_stack
+from k3stack.worktree import (
+    UPSTREAM_TAG,
+    digests_of,
+    disk_digest,
+    layer_digest,
+    read_marker,
+    write_marker,
+)
 
 
 def _tree_files(tree: Path, rev: str) -> set[str]:
@@ -99,13 +106,27 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
             f"(git rebase -i --autosquash {UPSTREAM_TAG})"
         )
     upstream = _tree_files(tree, UPSTREAM_TAG)
-    today = today or dt.date.today()
-    changed: list[str] = []
+    applied_digests = marker.get("digests") or [None] * applied
+    pending = []
     lower_overlay: set[str] = set()
-    for layer, commit in zip(stack.layers[:applied], commits, strict=True):
+    for layer, commit, applied_digest in zip(
+        stack.layers[:applied], commits, applied_digests, strict=True
+    ):
         where = f"layer {layer.number} ({layer.name})"
         patch, owned = read_layer(tree, commit, upstream, lower_overlay, where)
         lower_overlay |= set(owned)
+        if layer_digest(patch, owned) == applied_digest:
+            continue
+        if applied_digest is not None and disk_digest(stack, layer) != applied_digest:
+            raise StackError(
+                f"{where}: patches/{layer.name} changed since {tree} was applied "
+                "and the tree changes the layer too; refused: re-apply and redo "
+                "the edit"
+            )
+        pending.append((layer, patch, owned))
+    today = today or dt.date.today()
+    changed: list[str] = []
+    for layer, patch, owned in pending:
         overlay_changes = _write_overlay(stack, layer.patch.overlay, owned)
         changed += overlay_changes
         old = layer.patch_file.read_bytes()
@@ -116,7 +137,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         if new != old:
             layer.patch_file.write_bytes(new)
             changed.append(f"patches/{layer.name}: updated")
-    write_marker(tree, applied)
+    write_marker(tree, applied, digests_of(load_stack(stack.root), applied))
     return changed
 
 

@@ -9,6 +9,7 @@ commits a maintainer made since are never thrown away.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from k3stack import StackError
 from k3stack.gitutil import dirty_paths, git, is_work_tree
-from k3stack.patchfile import HunkMismatch, apply_exact
+from k3stack.patchfile import HunkMismatch, LayerPatch, apply_exact
 from k3stack.series import Layer, Stack
 
 MARKER = "k3stack-applied.json"
@@ -35,9 +36,33 @@ def read_marker(tree: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def write_marker(tree: Path, layers: int) -> None:
+def write_marker(tree: Path, layers: int, digests: list[str]) -> None:
+    """Record HEAD and each layer's digest as this tree holds them now."""
     head = git(tree, "rev-parse", "HEAD")
-    (tree / ".git" / MARKER).write_text(json.dumps({"head": head, "layers": layers}))
+    (tree / ".git" / MARKER).write_text(
+        json.dumps({"head": head, "layers": layers, "digests": digests})
+    )
+
+
+def layer_digest(patch: LayerPatch, overlay: dict[str, bytes]) -> str:
+    """A layer's content: its patch (Last-Update aside) and its overlay files."""
+    fields = dict(patch.fields, **{"Last-Update": "1970-01-01"})
+    fields["Overlay"] = "\n".join(sorted(patch.overlay))
+    digest = hashlib.sha256(LayerPatch(patch.subject, fields, patch.diff).render())
+    for rel, data in sorted(overlay.items()):
+        digest.update(b"\0" + rel.encode() + b"\0" + data)
+    return digest.hexdigest()
+
+
+def disk_digest(stack: Stack, layer: Layer) -> str:
+    overlay = {
+        rel: (stack.overlay_dir / rel).read_bytes() for rel in layer.patch.overlay
+    }
+    return layer_digest(layer.patch, overlay)
+
+
+def digests_of(stack: Stack, layers: int) -> list[str]:
+    return [disk_digest(stack, layer) for layer in stack.upto(layers)]
 
 
 def guard_existing(tree: Path) -> None:
@@ -134,7 +159,7 @@ def build_tree(
             date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
             commit_all(staging, layer.patch.commit_message(), date=date)
             git(staging, "tag", layer_tag(layer.number))
-        write_marker(staging, len(layers))
+        write_marker(staging, len(layers), digests_of(stack, len(layers)))
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)

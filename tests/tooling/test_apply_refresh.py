@@ -139,3 +139,39 @@ def test_a_failed_apply_leaves_the_existing_tree_as_it_was(
     with pytest.raises(StackError, match="layer 1"):
         filled.apply(sdist=make_sdist(tmp_path / "broken.tar.gz", broken))
     assert git(filled.tree, "rev-parse", "HEAD") == head
+
+
+def second_tree(syn: Synthetic) -> Synthetic:
+    other = Synthetic(syn.root, syn.sdist, syn.wheel, syn.pin, syn.tree.with_name("b"))
+    other.apply()
+    return other
+
+
+def test_refresh_of_another_layer_keeps_a_refresh_made_since_apply(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    other = second_tree(filled)
+    filled.amend(1, {"vllm/remote/__init__.py": "PORT = 2\n"})
+    refresh(filled.stack(), filled.tree)
+    git(filled.root, "commit", "-qam", "layer 1 refreshed")
+    other.amend(2, {"vllm/logits.py": "TOPK = 8\n"})
+    assert refresh(other.stack(), other.tree) == [
+        "overlay/vllm/logits.py: updated",
+        "patches/0002-layer-2.patch: updated",
+    ]
+    assert (filled.root / "overlay/vllm/remote/__init__.py").read_text() == "PORT = 2\n"
+
+
+def test_refresh_refuses_to_overwrite_a_layer_changed_since_apply(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    other = second_tree(filled)
+    filled.amend(1, {"vllm/remote/__init__.py": "PORT = 2\n"})
+    refresh(filled.stack(), filled.tree)
+    git(filled.root, "commit", "-qam", "layer 1 refreshed")
+    other.amend(1, {"vllm/remote/__init__.py": "PORT = 3\n"})
+    with pytest.raises(StackError, match="changed since .* was applied"):
+        refresh(other.stack(), other.tree)
+    assert (filled.root / "overlay/vllm/remote/__init__.py").read_text() == "PORT = 2\n"
