@@ -156,10 +156,9 @@ def test_refresh_of_another_layer_keeps_a_refresh_made_since_apply(
     refresh(filled.stack(), filled.tree)
     git(filled.root, "commit", "-qam", "layer 1 refreshed")
     other.amend(2, {"vllm/logits.py": "TOPK = 8\n"})
-    assert refresh(other.stack(), other.tree) == [
-        "overlay/vllm/logits.py: updated",
-        "patches/0002-layer-2.patch: updated",
-    ]
+    changed = refresh(other.stack(), other.tree)
+    assert "overlay/vllm/logits.py: updated" in changed
+    assert not [c for c in changed if "layer-1" in c or "remote" in c]
     assert (filled.root / "overlay/vllm/remote/__init__.py").read_text() == "PORT = 2\n"
 
 
