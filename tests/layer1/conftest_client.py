@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -100,8 +100,8 @@ def make_speculator(
         speculator = RemoteK3DSparkSpeculator(
             config,
             torch.device("cpu"),
-            table,
-            address,  # type: ignore[arg-type]
+            cast(Any, table),
+            address,
         )
         built.append(speculator)
         return speculator, table

@@ -38,6 +38,12 @@ def _run_to_completion(loop: VerifierLoop, max_steps: int = 400) -> dict[str, li
     raise AssertionError("requests did not finish")
 
 
+def _server_id(speculator) -> str | None:
+    """The server the speculator's plan is connected to (None: offline)."""
+    info = speculator.plan.server
+    return None if info is None else info.server_id
+
+
 def _status(server) -> dict:
     code, body = server.http("/v1/status")
     assert code == 200
@@ -157,20 +163,20 @@ def test_server_restart_fails_closed_then_recovers(
         loop.add(rid, prompt, max_tokens=60)
     for _ in range(4):
         loop.step(list(loop.requests))
-    old_id = speculator.plan.server.server_id
+    old_id = _server_id(speculator)
     server.proc.kill()
     server.stop()
     drafted = loop.stats.drafted
     loop.step(list(loop.requests))
     assert loop.stats.drafted == drafted
-    assert speculator.plan.server is None
+    assert _server_id(speculator) is None
     server.start()
     for _ in range(200):
         loop.step(list(loop.requests))
         if loop.stats.drafted > drafted:
             break
         time.sleep(0.05)
-    assert speculator.plan.server.server_id != old_id
+    assert _server_id(speculator) not in (None, old_id)
     finished = _run_to_completion(loop)
     for rid, prompt in prompts.items():
         assert finished[rid] == target.generate(prompt, 60)

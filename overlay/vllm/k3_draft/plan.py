@@ -547,12 +547,13 @@ class RemotePlan:
             raise ProtocolError(
                 f"reply extensions {sorted(replies)} do not answer {sorted(wanted)}"
             )
-        return {
-            extension.capability: extension.consume(
-                *replies[extension.capability], proposal
+        payloads = {}
+        for extension in self.extensions:
+            metadata, frames = replies[extension.capability]
+            payloads[extension.capability] = extension.consume(
+                metadata, frames, proposal
             )
-            for extension in self.extensions
-        }
+        return payloads
 
     def _commit(self, request: StepRequest, reset: bool) -> None:
         """Record a successful PROPOSE of ``request``."""
