@@ -192,8 +192,8 @@ def test_anchor_token_outside_the_vocabulary_is_refused(server):
 
 
 def test_anchor_beyond_the_model_length_is_refused(server):
-    reply = propose(server, [entry("a", 1024, 0, reset=True, reset_position=1024)])
-    assert "reset_position" in error_of(reply)
+    reply = propose(server, [entry("a", 1024, 0, reset=True, reset_position=1000)])
+    assert "anchor_position must be an integer in [0, 1024)" in error_of(reply)
 
 
 def test_context_above_max_context_tokens_is_refused(server):

@@ -136,10 +136,14 @@ class ContextPlan:
 
 def plan_context(batch: ProposeBatch, window: int, budget: int) -> ContextPlan:
     """Drop rows that neither the KV window nor the context cache can hold, so
-    no two written rows of a request share a ring location."""
+    no two written rows of a request share a ring location. ``batch``'s
+    positions must be contiguous up to each request's end (validated)."""
     counts = np.asarray(batch.counts, dtype=np.int64)
-    ends = np.repeat(np.asarray(batch.ends, dtype=np.int64), counts)
     slots = np.repeat(np.asarray(batch.slots, dtype=np.int64), counts)
+    if max(batch.counts) <= window <= budget:
+        # Positions are contiguous up to each end: every row fits.
+        return ContextPlan(None, batch.positions, torch.from_numpy(slots), None)
+    ends = np.repeat(np.asarray(batch.ends, dtype=np.int64), counts)
     positions = batch.positions.numpy()
     keep_mask = positions >= ends - budget
     keep = None

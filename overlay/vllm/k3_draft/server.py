@@ -45,11 +45,11 @@ from vllm.k3_draft.protocol import (
 )
 from vllm.k3_draft.validation import (
     ParsedPropose,
+    ProposeParser,
     RequestState,
     check_fields,
     check_frame_count,
     check_propose,
-    parse_propose,
     plan_reconnect,
     request_ids,
 )
@@ -122,6 +122,13 @@ class DraftServer:
             if extension.is_offered(self.server_info, engine.spec.supports_logits)
         ]
         self.server_info["capabilities"] = [e.capability for e in self.extensions]
+        self.parser = ProposeParser(
+            self.limits,
+            engine.spec.vocab_size,
+            engine.spec.context_width,
+            self.extensions,
+            self.server_info,
+        )
         self._handlers: dict[str, Callable[[dict[str, Any], list[Any]], list[Any]]] = {
             OP_PING: self._ping,
             OP_PROPOSE: self._propose,
@@ -199,7 +206,9 @@ class DraftServer:
         timing["lock_wait"] = (locked - decoded) * 1e3
         total = (time.perf_counter() - start) * 1e3
         timing["total"] = total
-        header["latency_ms"] = total
+        # 0.1 us resolution keeps the reply short.
+        header["timing_ms"] = {key: round(value, 4) for key, value in timing.items()}
+        header["latency_ms"] = header["timing_ms"]["total"]
         self.stats.observe_propose(total, timing)
         reply[0] = encode_header(header)
 
@@ -212,16 +221,7 @@ class DraftServer:
         return [encode_header(ok_reply(OP_PONG, **info))]
 
     def _propose(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
-        spec = self.engine.spec
-        parsed = parse_propose(
-            header,
-            frames,
-            self.limits,
-            spec.vocab_size,
-            spec.context_width,
-            self.extensions,
-            self.server_info,
-        )
+        parsed = self.parser.parse(header, frames)
         check_propose(parsed, self.requests, self.allocator.num_free, self.max_rewind)
         batch = self._apply_propose(parsed)
         try:

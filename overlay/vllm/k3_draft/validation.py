@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Validation of draft-server requests, done whole before any state changes.
 
-``parse_*`` functions check what a message says by itself (fields, types,
-bounds, frame counts and exact byte lengths, contiguous positions);
+``ProposeParser`` and the other parsers check what a message says by itself
+(fields, types, bounds, frame counts and exact byte lengths, contiguous
+positions);
 ``check_propose`` and ``plan_reconnect`` check it against the request table.
 Every violation raises ``ProtocolError``.
 """
@@ -41,7 +42,7 @@ class RequestState:
     high: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProposeEntry:
     request_id: str
     reset: bool
@@ -49,7 +50,7 @@ class ProposeEntry:
     context_count: int
     anchor_token_id: int
     anchor_position: int
-    # First context position (the anchor position when there is no context).
+    # First context position: anchor_position - context_count.
     first_position: int
 
 
@@ -105,117 +106,118 @@ def request_ids(header: Mapping[str, Any]) -> list[str]:
     return parsed
 
 
-def parse_propose(
-    header: Mapping[str, Any],
-    frames: Sequence[Any],
-    limits: DraftLimits,
-    vocab_size: int,
-    context_width: int,
-    extensions: Sequence[ReplyExtension],
-    server_info: Mapping[str, Any],
-) -> ParsedPropose:
-    """Stateless checks of a PROPOSE; see the module docstring."""
-    allowed = {"num_speculative_tokens", "requests"}
-    for extension in extensions:
-        allowed.update(extension.request_fields)
-    check_fields(header, frozenset(allowed))
-    k = _int(
-        header.get("num_speculative_tokens"),
-        "num_speculative_tokens",
-        1,
-        limits.max_speculative_tokens + 1,
-    )
-    requests = header.get("requests")
-    if not isinstance(requests, list) or not 0 < len(requests) <= limits.max_batch_size:
-        raise ProtocolError(
-            f"requests must be a list of 1 to {limits.max_batch_size} entries"
+class ProposeParser:
+    """Stateless checks of a PROPOSE (see the module docstring), with the
+    server's bounds and offered reply extensions bound once."""
+
+    def __init__(
+        self,
+        limits: DraftLimits,
+        vocab_size: int,
+        context_width: int,
+        extensions: Sequence[ReplyExtension],
+        server_info: Mapping[str, Any],
+    ) -> None:
+        self.limits = limits
+        self.vocab_size = vocab_size
+        self.context_width = context_width
+        self.extensions = list(extensions)
+        self.server_info = server_info
+        allowed = {"num_speculative_tokens", "requests"}
+        for extension in extensions:
+            allowed.update(extension.request_fields)
+        self.allowed = frozenset(allowed)
+        self.entry_fields = set(PROPOSE_REQUEST_FIELDS)
+        self.arange = np.arange(limits.max_context_tokens, dtype=np.int64)
+
+    def parse(self, header: Mapping[str, Any], frames: Sequence[Any]) -> ParsedPropose:
+        limits = self.limits
+        check_fields(header, self.allowed)
+        k = _int(
+            header.get("num_speculative_tokens"),
+            "num_speculative_tokens",
+            1,
+            limits.max_speculative_tokens + 1,
         )
-    raw = []
-    seen: set[str] = set()
-    for item in requests:
-        if not isinstance(item, dict) or item.keys() != set(PROPOSE_REQUEST_FIELDS):
+        requests = header.get("requests")
+        if not isinstance(requests, list) or not (
+            0 < len(requests) <= limits.max_batch_size
+        ):
+            raise ProtocolError(
+                f"requests must be a list of 1 to {limits.max_batch_size} entries"
+            )
+        entries = [self._entry(item) for item in requests]
+        if len({e.request_id for e in entries}) != len(entries):
+            raise ProtocolError("a request id appears twice")
+        total = sum(e.context_count for e in entries)
+        if total > limits.max_context_tokens:
+            raise ProtocolError(
+                f"{total} context rows exceed max_context_tokens "
+                f"{limits.max_context_tokens}"
+            )
+        check_frame_count(frames, 2 if total else 0, "PROPOSE")
+        if total:
+            positions = frame_tensor(frames[0], torch.int64, (total,), "positions")
+            rows = frame_tensor(
+                frames[1], torch.bfloat16, (total, self.context_width), "context rows"
+            )
+            self._check_positions(positions.numpy(), entries)
+        else:
+            positions = torch.empty(0, dtype=torch.int64)
+            rows = torch.empty(0, self.context_width, dtype=torch.bfloat16)
+        active = []
+        for extension in self.extensions:
+            options = extension.parse_request(header, self.server_info)
+            if options is not None:
+                active.append((extension, options))
+        return ParsedPropose(k, entries, positions, rows, active)
+
+    def _entry(self, item: Any) -> ProposeEntry:
+        limits = self.limits
+        if not isinstance(item, dict) or item.keys() != self.entry_fields:
             raise ProtocolError(
                 f"each request needs exactly the fields {list(PROPOSE_REQUEST_FIELDS)}"
             )
         rid = request_id(item["request_id"])
-        if rid in seen:
-            raise ProtocolError(f"request {rid!r} appears twice")
-        seen.add(rid)
-        if type(item["reset"]) is not bool:
+        reset = item["reset"]
+        if type(reset) is not bool:
             raise ProtocolError(f"reset of {rid!r} must be a boolean")
-        raw.append(
-            (
-                rid,
-                item["reset"],
-                _int(item["reset_position"], "reset_position", 0, limits.max_model_len),
-                _int(
-                    item["context_count"],
-                    "context_count",
-                    0,
-                    limits.max_context_tokens + 1,
-                ),
-                _int(item["anchor_token_id"], "anchor_token_id", 0, vocab_size),
-                _int(
-                    item["anchor_position"], "anchor_position", 0, limits.max_model_len
-                ),
-            )
+        count = _int(
+            item["context_count"], "context_count", 0, limits.max_context_tokens + 1
         )
-    counts = np.array([entry[3] for entry in raw], dtype=np.int64)
-    total = int(counts.sum())
-    if total > limits.max_context_tokens:
-        raise ProtocolError(
-            f"{total} context rows exceed max_context_tokens "
-            f"{limits.max_context_tokens}"
+        anchor_position = _int(
+            item["anchor_position"], "anchor_position", 0, limits.max_model_len
         )
-    check_frame_count(frames, 2 if total else 0, "PROPOSE")
-    if total:
-        positions = frame_tensor(frames[0], torch.int64, (total,), "positions")
-        rows = frame_tensor(
-            frames[1], torch.bfloat16, (total, context_width), "context rows"
+        first = anchor_position - count
+        if first < 0:
+            raise ProtocolError(f"context of {rid!r} would start at {first}")
+        return ProposeEntry(
+            rid,
+            reset,
+            _int(item["reset_position"], "reset_position", 0, limits.max_model_len),
+            count,
+            _int(item["anchor_token_id"], "anchor_token_id", 0, self.vocab_size),
+            anchor_position,
+            first,
         )
-        firsts = _check_contiguous(positions.numpy(), counts)
-    else:
-        positions = torch.empty(0, dtype=torch.int64)
-        rows = torch.empty(0, context_width, dtype=torch.bfloat16)
-        firsts = np.zeros(len(raw), dtype=np.int64)
-    entries = []
-    for (rid, reset, reset_pos, count, anchor, anchor_pos), first in zip(raw, firsts):
-        if count and anchor_pos != first + count:
+
+    def _check_positions(
+        self, positions: np.ndarray, entries: list[ProposeEntry]
+    ) -> None:
+        """Each request's rows must hold the positions ``[first, anchor)``."""
+        total = positions.shape[0]
+        if len(entries) == 1:
+            expected = self.arange[:total] + entries[0].first_position
+        else:
+            counts = [e.context_count for e in entries]
+            offsets = np.cumsum([0, *counts[:-1]])
+            firsts = np.array([e.first_position for e in entries]) - offsets
+            expected = np.repeat(firsts, counts) + self.arange[:total]
+        if not np.array_equal(positions, expected):
             raise ProtocolError(
-                f"anchor_position {anchor_pos} of {rid!r} is not its last context "
-                f"position + 1 ({first + count})"
+                "context positions are not contiguous up to each request's "
+                "anchor position"
             )
-        entries.append(
-            ProposeEntry(
-                rid,
-                reset,
-                reset_pos,
-                count,
-                anchor,
-                anchor_pos,
-                int(first) if count else anchor_pos,
-            )
-        )
-    active = []
-    for extension in extensions:
-        options = extension.parse_request(header, server_info)
-        if options is not None:
-            active.append((extension, options))
-    return ParsedPropose(k, entries, positions, rows, active)
-
-
-def _check_contiguous(positions: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """First position of each request; refuses non-contiguous or negative runs."""
-    offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    nonempty = counts > 0
-    firsts = np.zeros(len(counts), dtype=np.int64)
-    firsts[nonempty] = positions[offsets[nonempty]]
-    expected = np.repeat(firsts - offsets, counts) + np.arange(positions.shape[0])
-    if not np.array_equal(positions, expected):
-        raise ProtocolError("context positions are not contiguous per request")
-    if (firsts < 0).any():
-        raise ProtocolError("context positions must be non-negative")
-    return firsts
 
 
 def check_propose(

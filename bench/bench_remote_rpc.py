@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Draft-server transport overhead against raw ZeroMQ, one run.
+
+A real draft server process (reference engine, context width 3 x 7168) and a
+raw ZeroMQ REP echo process listen on loopback TCP. For each case the client
+alternates, request by request, between the two with the same bytes:
+
+* ``ping``: an empty PING against an empty raw request;
+* ``propose bN``: a steady-state PROPOSE of N requests, K=3, 4 context rows
+  per request (bf16 rows of 3 x 7168: 172 KB per request), against a raw
+  request of the same frames answered by a reply of the same size.
+
+Reported per case (p50 and p99 over the iterations, microseconds): the raw
+round trip, the server round trip, the server's engine time (``timing_ms``
+context + query + device_wait + copy_back), the round trip minus the engine
+time, and its ratio to the raw round trip (target: at most 1.15 at p50).
+
+Usage::
+
+    python bench/bench_remote_rpc.py --iters 2000 --out rpc.json [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from vllm.k3_draft import protocol
+
+WIDTH = 3 * 7168
+K = 3
+ROWS_PER_REQUEST = 4
+ENGINE_TIMINGS = ("context", "query", "device_wait", "copy_back")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def raw_echo(address: str) -> None:
+    """Serve raw REP: reply with as many zero bytes as the first 8 bytes of
+    the last frame say (so the client controls the reply size)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.bind(address)
+    replies: dict[int, bytes] = {}
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        size = int.from_bytes(frames[-1].buffer[:8], "little") if frames else 0
+        if size not in replies:
+            replies[size] = b"\0" * size
+        sock.send(replies[size], copy=False)
+
+
+def start_server(args: argparse.Namespace, address: str, status_port: int):
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.k3_dspark_standalone",
+        "--engine", "reference", "--device", args.device,
+        "--address", address, "--status-port", str(status_port),
+        "--context-width", str(WIDTH), "--hidden-size", "64",
+        "--max-num-seqs", "8", "--max-requests", "16",
+        "--max-speculative-tokens", str(K), "--max-context-tokens", "64",
+        "--window-size", "256", "--max-model-len", str(1 << 20),
+    ]
+    if args.enable_cuda_graph:
+        command.append("--enable-cuda-graph")
+    # One engine thread: idle OpenMP workers would spin against the client.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
+    url = f"http://127.0.0.1:{status_port}/readyz"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "died")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("draft server did not become ready")
+
+
+class Case:
+    """The request stream of one PROPOSE case."""
+
+    def __init__(self, batch: int, prefix: str) -> None:
+        self.batch = batch
+        self.ids = [f"{prefix}-{i}" for i in range(batch)]
+        self.end = 0
+        generator = torch.Generator().manual_seed(batch)
+        self.rows = protocol.tensor_frame(
+            torch.randn(batch * ROWS_PER_REQUEST, WIDTH, generator=generator).bfloat16()
+        )
+
+    def frames(self) -> list[Any]:
+        reset = self.end == 0
+        start, self.end = self.end, self.end + ROWS_PER_REQUEST
+        requests = [
+            {
+                "request_id": rid,
+                "reset": reset,
+                "reset_position": 0,
+                "context_count": ROWS_PER_REQUEST,
+                "anchor_token_id": 11,
+                "anchor_position": self.end,
+            }
+            for rid in self.ids
+        ]
+        header = protocol.request_header(
+            protocol.OP_PROPOSE, num_speculative_tokens=K, requests=requests
+        )
+        positions = torch.arange(start, self.end).repeat(self.batch)
+        return [protocol.encode_header(header), protocol.tensor_frame(positions), self.rows]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    array = np.asarray(values) * 1e6
+    return {"p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+
+
+def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
+    raw_rtt, rtt, engine = [], [], []
+    for index in range(args.warmup + args.iters):
+        frames = next_frames()
+        start = time.perf_counter()
+        server.send_multipart(frames, copy=False)
+        reply = server.recv_multipart(copy=False)
+        elapsed = time.perf_counter() - start
+        header = json.loads(reply[0].bytes)
+        assert header["ok"], header
+        timing = header.get("timing_ms", {})
+        engine_s = sum(timing.get(key, 0.0) for key in ENGINE_TIMINGS) / 1e3
+        size = len(reply[0].bytes).to_bytes(8, "little")
+        raw_frames = [*frames[:-1], size + bytes(frames[-1])[8:]]
+        start = time.perf_counter()
+        raw.send_multipart(raw_frames, copy=False)
+        raw.recv_multipart(copy=False)
+        raw_elapsed = time.perf_counter() - start
+        if index >= args.warmup:
+            rtt.append(elapsed)
+            engine.append(engine_s)
+            raw_rtt.append(raw_elapsed)
+    overhead = [r - e for r, e in zip(rtt, engine)]
+    result = {
+        "case": name,
+        "request_bytes": sum(len(memoryview(f)) for f in next_frames()),
+        "raw_us": percentiles(raw_rtt),
+        "rtt_us": percentiles(rtt),
+        "engine_us": percentiles(engine),
+        "rtt_minus_engine_us": percentiles(overhead),
+    }
+    result["ratio_p50"] = result["rtt_minus_engine_us"]["p50"] / result["raw_us"]["p50"]
+    result["ratio_p99"] = result["rtt_minus_engine_us"]["p99"] / result["raw_us"]["p99"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--enable-cuda-graph", action="store_true")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_echo:
+        raw_echo(args.raw_echo)
+        return
+    server_address = f"tcp://127.0.0.1:{free_port()}"
+    raw_address = f"tcp://127.0.0.1:{free_port()}"
+    echo = subprocess.Popen([sys.executable, __file__, "--raw-echo", raw_address])
+    proc = start_server(args, server_address, free_port())
+    ctx = zmq.Context()
+    sockets = []
+    for address in (server_address, raw_address):
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sockets.append(sock)
+    server, raw = sockets
+    try:
+        ping = protocol.encode_header(protocol.request_header(protocol.OP_PING))
+        results = [measure(args, server, raw, "ping", lambda: [ping])]
+        for batch in (1, 8):
+            case = Case(batch, f"b{batch}")
+            results.append(measure(args, server, raw, f"propose b{batch}", case.frames))
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+        proc.terminate()
+        echo.terminate()
+        proc.wait()
+        echo.wait()
+    print(f"{'case':<12} {'bytes':>9} {'raw p50/p99 us':>16} {'rtt p50/p99':>16} "
+          f"{'engine p50':>10} {'rtt-eng p50/p99':>16} {'ratio p50/p99':>14}")
+    for r in results:
+        print(
+            f"{r['case']:<12} {r['request_bytes']:>9} "
+            f"{r['raw_us']['p50']:>7.1f}/{r['raw_us']['p99']:<8.1f} "
+            f"{r['rtt_us']['p50']:>7.1f}/{r['rtt_us']['p99']:<8.1f} "
+            f"{r['engine_us']['p50']:>10.1f} "
+            f"{r['rtt_minus_engine_us']['p50']:>7.1f}/{r['rtt_minus_engine_us']['p99']:<8.1f} "
+            f"{r['ratio_p50']:>6.2f}/{r['ratio_p99']:<6.2f}"
+        )
+    if args.out:
+        meta = {"cpus": os.cpu_count(), "device": args.device,
+                "cuda_graph": args.enable_cuda_graph, "iters": args.iters}
+        with open(args.out, "w") as out:
+            json.dump({"meta": meta, "results": results}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
