@@ -88,13 +88,6 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
             f"{tree} has uncommitted edits ({dirty[0]} ...); refused: commit "
             "them into their layer first (git commit --fixup, rebase --autosquash)"
         )
-    if is_work_tree(stack.root):
-        mine = dirty_paths(stack.root, "patches", "overlay")
-        if mine:
-            raise StackError(
-                f"uncommitted edits in this checkout ({mine[0]} ...); refused: "
-                "commit or stash them before refresh"
-            )
     commits = git(tree, "rev-list", "--reverse", f"{UPSTREAM_TAG}..HEAD").splitlines()
     if git(tree, "rev-list", "--merges", f"{UPSTREAM_TAG}..HEAD"):
         raise StackError(f"{tree}: merge commits on top of upstream; refused")
@@ -124,6 +117,16 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
                 "the edit"
             )
         pending.append((layer, patch, owned))
+    if is_work_tree(stack.root):
+        targets = {f"patches/{layer.name}" for layer, _, _ in pending}
+        for layer, _, owned in pending:
+            targets |= {f"overlay/{rel}" for rel in [*owned, *layer.patch.overlay]}
+        clash = sorted(set(dirty_paths(stack.root, "patches", "overlay")) & targets)
+        if clash:
+            raise StackError(
+                f"uncommitted edits in this checkout ({clash[0]} ...); refused: "
+                "commit or stash them before refresh"
+            )
     today = today or dt.date.today()
     changed: list[str] = []
     for layer, patch, owned in pending:

@@ -174,3 +174,16 @@ def test_refresh_refuses_to_overwrite_a_layer_changed_since_apply(
     with pytest.raises(StackError, match="changed since .* was applied"):
         refresh(other.stack(), other.tree)
     assert (filled.root / "overlay/vllm/remote/__init__.py").read_text() == "PORT = 2\n"
+
+
+def test_refresh_refuses_to_overwrite_uncommitted_edits_in_the_checkout(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    (filled.root / "overlay/vllm/logits.py").write_text("TOPK = 7  # unsaved\n")
+    filled.amend(2, {"vllm/logits.py": "TOPK = 16\n"})
+    with pytest.raises(StackError, match="uncommitted edits in this checkout"):
+        refresh(filled.stack(), filled.tree)
+    assert (filled.root / "overlay/vllm/logits.py").read_text() == (
+        "TOPK = 7  # unsaved\n"
+    )
