@@ -108,18 +108,11 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         where = f"layer {layer.number} ({layer.name})"
         patch, owned = read_layer(tree, commit, upstream, lower_overlay, where)
         lower_overlay |= set(owned)
-        if layer_digest(patch, owned) == applied_digest:
-            continue
-        if applied_digest is not None and disk_digest(stack, layer) != applied_digest:
-            raise StackError(
-                f"{where}: patches/{layer.name} changed since {tree} was applied "
-                "and the tree changes the layer too; refused: re-apply and redo "
-                "the edit"
-            )
-        pending.append((layer, patch, owned))
+        if layer_digest(patch, owned) != applied_digest:
+            pending.append((layer, patch, owned, applied_digest))
     if is_work_tree(stack.root):
-        targets = {f"patches/{layer.name}" for layer, _, _ in pending}
-        for layer, _, owned in pending:
+        targets = {f"patches/{layer.name}" for layer, *_ in pending}
+        for layer, _, owned, _ in pending:
             targets |= {f"overlay/{rel}" for rel in [*owned, *layer.patch.overlay]}
         clash = sorted(set(dirty_paths(stack.root, "patches", "overlay")) & targets)
         if clash:
@@ -127,9 +120,16 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
                 f"uncommitted edits in this checkout ({clash[0]} ...); refused: "
                 "commit or stash them before refresh"
             )
+    for layer, _, _, applied_digest in pending:
+        if applied_digest is not None and disk_digest(stack, layer) != applied_digest:
+            raise StackError(
+                f"layer {layer.number} ({layer.name}): patches/{layer.name} changed "
+                f"since {tree} was applied and the tree changes the layer too; "
+                "refused: re-apply and redo the edit"
+            )
     today = today or dt.date.today()
     changed: list[str] = []
-    for layer, patch, owned in pending:
+    for layer, patch, owned, _ in pending:
         overlay_changes = _write_overlay(stack, layer.patch.overlay, owned)
         changed += overlay_changes
         old = layer.patch_file.read_bytes()
