@@ -1,0 +1,636 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fused MLA decode attention for speculative verification blocks.
+
+Verification runs ``query_len`` (K + 1) query rows per request against the same
+paged latent KV cache. Upstream's decode kernel flattens them into separate
+rows, so every row re-reads the whole KV. Here one program owns a
+(request, head tile, KV split) triple, loads each KV tile once and feeds it to
+every row and head of its tile: rows x heads are folded into the M dimension of
+the tensor-core products. A second kernel merges the KV splits by their
+log-sum-exp.
+
+Contracts (``fused_mla_verify_decode``):
+
+- ``q``: ``[num_reqs * query_len, H, 576]`` (512 latent + 64 rope), bf16 or
+  fp16; the rows of request ``b`` are ``b*query_len .. b*query_len+query_len-1``
+  in token order.
+- ``kv_cache``: ``[num_blocks, page_size, 576]``, the query dtype or fp8 e4m3
+  with a scalar ``k_scale`` (dequantised value = stored value * k_scale).
+- ``block_table``: ``[>= num_reqs, max_pages]`` int32, pages of the rank-local
+  KV; ``seq_lens``: ``[num_reqs]`` int32, global KV length of each request
+  including its ``query_len`` new tokens.
+- Row ``t`` of a request sees the global prefix ``seq_len - (query_len-1-t)``
+  when causal, ``seq_len`` otherwise. Under decode context parallelism (DCP
+  size D, rank r, interleave I) the rank holds global token ``p`` iff
+  ``(p // I) % D == r``, and the row's rank-local visible length is
+  ``local_kv_len(L, D, r, I)``.
+- Outputs: ``o`` ``[rows, H, 512]`` (any float dtype) and ``lse`` ``[rows, H]``
+  float32, natural log. A row with no visible KV gets a zero output and
+  ``lse = -inf`` (zero weight in a DCP merge). Requests at or beyond
+  ``num_valid_reqs`` (a device scalar, for padded CUDA-graph batches) are
+  skipped: their rows of ``o`` and ``lse`` are not written.
+- The launch geometry depends only on tensor shapes, ``query_len`` and
+  ``num_kv_splits``, never on tensor contents, so the call can be captured in a
+  CUDA graph; ``workspace`` must then be preallocated with
+  ``workspace_numel`` elements.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+MAX_QUERY_LEN = 16
+# Rows x heads that one program folds into the M dimension of its dots: the
+# fp32 accumulator is BLOCK_M x 512, which must stay in registers.
+_MAX_BLOCK_M = 64
+_MIN_BLOCK_M = 16
+# A split shorter than this spends more on its partial result than on its KV.
+_MIN_TOKENS_PER_SPLIT = 256
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class VerifyKernelConfig:
+    """Tiling of the split-KV kernel.
+
+    ``heads_per_tile`` heads x ``query_len`` rows form the M dimension of one
+    program; ``block_n`` KV tokens are loaded per step.
+    """
+
+    heads_per_tile: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def local_kv_len(
+    global_len: int, dcp_size: int, dcp_rank: int, cp_interleave: int
+) -> int:
+    """Tokens of a global prefix of ``global_len`` held by ``dcp_rank``.
+
+    Ownership is interleaved in runs of ``cp_interleave`` tokens:
+    ``floor(L/(D*I))*I + clamp(L mod (D*I) - r*I, 0, I)``.
+    """
+    span = dcp_size * cp_interleave
+    rest = global_len % span - dcp_rank * cp_interleave
+    return (global_len // span) * cp_interleave + min(max(rest, 0), cp_interleave)
+
+
+def default_config(
+    query_len: int, num_heads: int, kv_dtype: torch.dtype
+) -> VerifyKernelConfig:
+    """Tiling used when the caller passes none (tuned on H200, sm_90).
+
+    With 64 folded rows the query (72 KiB) and two buffered 32-token tiles
+    fill the shared memory; fewer rows leave room for 64-token tiles.
+    """
+    per_tile = min(num_heads, max(1, _MAX_BLOCK_M // query_len))
+    num_tiles = triton.cdiv(num_heads, per_tile)
+    per_tile = triton.cdiv(num_heads, num_tiles)
+    full = _block_m(query_len, per_tile) >= _MAX_BLOCK_M
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    return VerifyKernelConfig(
+        heads_per_tile=per_tile,
+        block_n=32 if full else 64,
+        num_warps=8,
+        num_stages=3 if full and fp8 else 2,
+    )
+
+
+def num_head_tiles(num_heads: int, config: VerifyKernelConfig) -> int:
+    """Programs per (request, split) along the head axis."""
+    return triton.cdiv(num_heads, config.heads_per_tile)
+
+
+def choose_num_kv_splits(
+    num_reqs: int,
+    num_heads: int,
+    query_len: int,
+    max_seq_len: int,
+    sm_count: int,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """KV splits that fill ``sm_count`` multiprocessors in about one wave.
+
+    Pass capacities (largest batch, longest context the model allows) when the
+    call is captured in a CUDA graph: the result must not follow the data.
+    """
+    config = default_config(query_len, num_heads, kv_dtype)
+    programs = num_reqs * num_head_tiles(num_heads, config)
+    by_sms = max(1, sm_count // programs)
+    by_len = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    return min(by_sms, by_len)
+
+
+def workspace_numel(num_rows: int, num_heads: int, num_kv_splits: int) -> int:
+    """float32 elements of the split-KV scratch: a 512-wide partial output and
+    one LSE per (row, head, split)."""
+    return num_rows * num_heads * num_kv_splits * (KV_LORA_RANK + 1)
+
+
+def _block_m(query_len: int, heads_per_tile: int) -> int:
+    return max(_MIN_BLOCK_M, triton.next_power_of_2(query_len * heads_per_tile))
+
+
+@triton.jit
+def _load_rows(
+    kv_ptr, page, offs_n, start, end, stride_kv_page, stride_kv_token, offs_d, PAGE_SIZE
+):
+    tok = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+    inside = (offs_n >= start) & (offs_n < end)
+    return tl.load(
+        kv_ptr + tok[:, None] + offs_d[None, :], mask=inside[:, None], other=0.0
+    )
+
+
+@triton.jit
+def _qk_tile(
+    q_lat,
+    q_rope,
+    qk_scale,
+    kv_ptr,
+    page,
+    offs_n,
+    start,
+    end,
+    stride_kv_page,
+    stride_kv_token,
+    offs_l,
+    offs_r,
+    PAGE_SIZE,
+    LATENT,
+    IS_FP8,
+):
+    k_lat = _load_rows(
+        kv_ptr,
+        page,
+        offs_n,
+        start,
+        end,
+        stride_kv_page,
+        stride_kv_token,
+        offs_l,
+        PAGE_SIZE,
+    )
+    k_rope = _load_rows(
+        kv_ptr + LATENT,
+        page,
+        offs_n,
+        start,
+        end,
+        stride_kv_page,
+        stride_kv_token,
+        offs_r,
+        PAGE_SIZE,
+    )
+    if IS_FP8:
+        k_lat = k_lat.to(q_lat.dtype)
+        k_rope = k_rope.to(q_lat.dtype)
+    # Scaled before the sum so that Triton does not fold the sum into one
+    # product accumulating the other: a dot feeding a dot makes it give all
+    # warps to M, and with M = 64 the second warpgroup computes it again.
+    s_lat = tl.dot(q_lat, tl.trans(k_lat)) * qk_scale
+    return s_lat + tl.dot(q_rope, tl.trans(k_rope)) * qk_scale
+
+
+@triton.jit
+def _verify_split_kernel(
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    num_valid_ptr,
+    k_scale_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    sm_scale_log2,
+    num_heads,
+    dcp_size,
+    dcp_rank,
+    cp_interleave,
+    stride_q_row,
+    stride_q_head,
+    stride_kv_page,
+    stride_kv_token,
+    stride_bt_req,
+    QUERY_LEN: tl.constexpr,
+    HEADS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_NUM_VALID: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    # Head tiles vary fastest so the tiles sharing a KV split run together and
+    # read it from L2.
+    head_tile = tl.program_id(0)
+    split = tl.program_id(1)
+    req = tl.program_id(2)
+    num_splits = tl.num_programs(1)
+    if HAS_NUM_VALID and req >= tl.load(num_valid_ptr):
+        return
+
+    # M index -> (query row t of the request, head h).
+    offs_m = tl.arange(0, BLOCK_M)
+    t = offs_m // HEADS_PER_TILE
+    head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    valid = (t < QUERY_LEN) & (head < num_heads)
+    row = req * QUERY_LEN + t
+
+    # Visible rank-local KV length of every M row.
+    seq_len = tl.load(seq_lens_ptr + req)
+    glob = seq_len - (QUERY_LEN - 1 - t) if CAUSAL else seq_len + 0 * t
+    glob = tl.maximum(glob, 0)
+    span = dcp_size * cp_interleave
+    rest = glob % span - dcp_rank * cp_interleave
+    local = (glob // span) * cp_interleave + tl.minimum(
+        tl.maximum(rest, 0), cp_interleave
+    )
+    local = tl.where(valid, local, 0)
+    kv_len = tl.max(local, axis=0)
+
+    # Split geometry: num_splits contiguous runs of whole BLOCK_N tiles.
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
+
+    offs_l = tl.arange(0, LATENT)
+    offs_r = tl.arange(0, ROPE)
+    q_off = row.to(tl.int64) * stride_q_row + head * stride_q_head
+    q_lat = tl.load(
+        q_ptr + q_off[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0
+    )
+    q_rope = tl.load(
+        q_ptr + q_off[:, None] + LATENT + offs_r[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    k_scale = tl.load(k_scale_ptr).to(tl.float32) if IS_FP8 else 1.0
+    qk_scale = sm_scale_log2 * k_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, LATENT], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    # Scores run one tile ahead: step i computes the scores of tile i and
+    # applies the softmax and P.V to tile i - 1 (the first step has no tile
+    # before it, the last scores a tile past the end; both fully masked). The
+    # score product then feeds only the loop-carried value, not the P.V
+    # product, so Triton splits its columns over both warpgroups; fed
+    # straight into P.V it would give each warpgroup all M = 64 rows and
+    # compute every score tile twice. The price is a second load of the
+    # latent part of each tile one step later, served by L2.
+    s_next = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    offs_0 = start + tl.arange(0, BLOCK_N)
+    page_k = tl.load(bt_row + offs_0 // PAGE_SIZE, mask=offs_0 < end, other=0)
+    page_v = page_k
+    for n0 in tl.range(start - BLOCK_N, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        s = s_next
+        v = _load_rows(
+            kv_ptr,
+            page_v,
+            offs_n,
+            start,
+            end,
+            stride_kv_page,
+            stride_kv_token,
+            offs_l,
+            PAGE_SIZE,
+        )
+        if IS_FP8:
+            v = v.to(q_lat.dtype)
+        offs_k = offs_n + BLOCK_N
+        page_v = page_k
+        s_next = _qk_tile(
+            q_lat,
+            q_rope,
+            qk_scale,
+            kv_ptr,
+            page_k,
+            offs_k,
+            start,
+            end,
+            stride_kv_page,
+            stride_kv_token,
+            offs_l,
+            offs_r,
+            PAGE_SIZE,
+            LATENT,
+            IS_FP8,
+        )
+        offs_kk = offs_k + BLOCK_N
+        page_k = tl.load(bt_row + offs_kk // PAGE_SIZE, mask=offs_kk < end, other=0)
+        visible = (offs_n[None, :] >= start) & (offs_n[None, :] < local[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    seen = l_i > 0.0
+    inv = tl.where(seen, k_scale / l_i, 0.0)
+    # Scores are in log2 units; ln(2) turns the LSE into natural log.
+    lse = tl.where(seen, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+    part = (row.to(tl.int64) * num_heads + head) * num_splits + split
+    tl.store(part_lse_ptr + part, lse, mask=valid)
+    tl.store(
+        part_o_ptr + part[:, None] * LATENT + offs_l[None, :],
+        acc * inv[:, None],
+        mask=(valid & seen)[:, None],
+    )
+
+
+@triton.jit
+def _verify_merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    o_ptr,
+    lse_ptr,
+    num_valid_ptr,
+    num_heads,
+    num_splits,
+    stride_o_row,
+    stride_o_head,
+    stride_lse_row,
+    stride_lse_head,
+    QUERY_LEN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_NUM_VALID: tl.constexpr,
+    LATENT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if HAS_NUM_VALID and row // QUERY_LEN >= tl.load(num_valid_ptr):
+        return
+
+    base = (row.to(tl.int64) * num_heads + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(
+        part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf")
+    )
+    m = tl.max(lse_s, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp(lse_s - m_safe), axis=0)
+
+    offs_l = tl.arange(0, LATENT)
+    acc = tl.zeros([LATENT], tl.float32)
+    for s in range(num_splits):
+        lse_one = tl.load(part_lse_ptr + base + s)
+        # Splits with no visible KV left their partial output unwritten.
+        part = tl.load(
+            part_o_ptr + (base + s) * LATENT + offs_l,
+            mask=offs_l < tl.where(lse_one > float("-inf"), LATENT, 0),
+            other=0.0,
+        )
+        acc += tl.exp(lse_one - m_safe) * part
+
+    seen = denom > 0.0
+    inv = tl.where(seen, 1.0 / denom, 0.0)
+    out_off = row.to(tl.int64) * stride_o_row + head * stride_o_head
+    tl.store(o_ptr + out_off + offs_l, (acc * inv).to(o_ptr.dtype.element_ty))
+    tl.store(
+        lse_ptr + row.to(tl.int64) * stride_lse_row + head * stride_lse_head,
+        tl.where(seen, m_safe + tl.log(denom), float("-inf")),
+    )
+
+
+def fused_mla_verify_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    query_len: int,
+    sm_scale: float,
+    num_kv_splits: int,
+    k_scale: torch.Tensor | None = None,
+    causal: bool = True,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+    cp_interleave: int = 1,
+    num_valid_reqs: torch.Tensor | None = None,
+    config: VerifyKernelConfig | None = None,
+) -> None:
+    """Attention of ``query_len`` verify rows per request over paged MLA KV.
+
+    Writes ``o`` and ``lse`` in place (see the module docstring for the
+    layouts and the meaning of each argument). ``k_scale`` is required for an
+    fp8 cache and ignored for a 16-bit one. Raises ``ValueError`` on a shape,
+    dtype, device or argument mismatch; tensor contents are not inspected.
+    """
+    num_reqs = _validate(
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        o,
+        lse,
+        workspace,
+        query_len=query_len,
+        sm_scale=sm_scale,
+        num_kv_splits=num_kv_splits,
+        k_scale=k_scale,
+        dcp_size=dcp_size,
+        dcp_rank=dcp_rank,
+        cp_interleave=cp_interleave,
+        num_valid_reqs=num_valid_reqs,
+    )
+    num_rows, num_heads = q.shape[0], q.shape[1]
+    if num_rows == 0:
+        return
+    is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    cfg = config or default_config(query_len, num_heads, kv_cache.dtype)
+    if cfg.heads_per_tile < 1 or query_len * cfg.heads_per_tile > _MAX_BLOCK_M:
+        raise ValueError(
+            f"config.heads_per_tile={cfg.heads_per_tile} must be >= 1 and fold "
+            f"with query_len={query_len} into at most {_MAX_BLOCK_M} rows"
+        )
+    parts = num_rows * num_heads * num_kv_splits
+    part_o = workspace[: parts * KV_LORA_RANK]
+    part_lse = workspace[parts * KV_LORA_RANK : parts * (KV_LORA_RANK + 1)]
+    # Placeholders for pointer arguments the kernels do not read.
+    num_valid_arg = seq_lens if num_valid_reqs is None else num_valid_reqs
+    k_scale_arg = k_scale if is_fp8 else workspace
+
+    grid = (num_head_tiles(num_heads, cfg), num_kv_splits, num_reqs)
+    _verify_split_kernel[grid](
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        num_valid_arg,
+        k_scale_arg,
+        part_o,
+        part_lse,
+        sm_scale * _LOG2E,
+        num_heads,
+        dcp_size,
+        dcp_rank,
+        cp_interleave,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        QUERY_LEN=query_len,
+        HEADS_PER_TILE=cfg.heads_per_tile,
+        BLOCK_M=_block_m(query_len, cfg.heads_per_tile),
+        BLOCK_N=cfg.block_n,
+        PAGE_SIZE=kv_cache.shape[1],
+        CAUSAL=causal,
+        HAS_NUM_VALID=num_valid_reqs is not None,
+        IS_FP8=is_fp8,
+        LATENT=KV_LORA_RANK,
+        ROPE=ROPE_DIM,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _verify_merge_kernel[(num_rows, num_heads)](
+        part_o,
+        part_lse,
+        o,
+        lse,
+        num_valid_arg,
+        num_heads,
+        num_kv_splits,
+        o.stride(0),
+        o.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        QUERY_LEN=query_len,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        HAS_NUM_VALID=num_valid_reqs is not None,
+        LATENT=KV_LORA_RANK,
+        num_warps=4,
+    )
+
+
+def _validate(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    query_len: int,
+    sm_scale: float,
+    num_kv_splits: int,
+    k_scale: torch.Tensor | None,
+    dcp_size: int,
+    dcp_rank: int,
+    cp_interleave: int,
+    num_valid_reqs: torch.Tensor | None,
+) -> int:
+    """Check every argument; return the number of requests."""
+    if not 1 <= query_len <= MAX_QUERY_LEN:
+        raise ValueError(f"query_len must be in 1..{MAX_QUERY_LEN}, got {query_len}")
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q must be [rows, heads, {HEAD_DIM}], got {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    num_rows, num_heads = q.shape[0], q.shape[1]
+    if num_heads < 1:
+        raise ValueError("q must have at least one head")
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError(
+            f"seq_lens must be 1-D int32, got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    num_reqs = seq_lens.shape[0]
+    if num_rows != num_reqs * query_len:
+        raise ValueError(
+            f"q has {num_rows} rows, expected num_reqs * query_len = "
+            f"{num_reqs} * {query_len}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != HEAD_DIM:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, page_size, {HEAD_DIM}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype} must match q ({q.dtype}) "
+            "or be float8_e4m3fn"
+        )
+    if kv_cache.stride(2) != 1 or kv_cache.shape[1] < 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    if kv_cache.dtype == torch.float8_e4m3fn and (
+        k_scale is None or k_scale.numel() != 1 or k_scale.dtype != torch.float32
+    ):
+        raise ValueError("an fp8 kv_cache needs k_scale, a 1-element float32 tensor")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"block_table must be 2-D int32, got {block_table.dtype} "
+            f"{tuple(block_table.shape)}"
+        )
+    if block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
+        raise ValueError(
+            f"block_table must have >= {num_reqs} rows and contiguous columns"
+        )
+    if o.shape != (num_rows, num_heads, KV_LORA_RANK) or o.stride(2) != 1:
+        raise ValueError(
+            f"o must be [{num_rows}, {num_heads}, {KV_LORA_RANK}] contiguous in "
+            f"its last dimension, got {tuple(o.shape)}"
+        )
+    if not o.dtype.is_floating_point:
+        raise ValueError(f"o must be a floating dtype, got {o.dtype}")
+    if lse.shape != (num_rows, num_heads) or lse.dtype != torch.float32:
+        raise ValueError(
+            f"lse must be float32 [{num_rows}, {num_heads}], "
+            f"got {lse.dtype} {tuple(lse.shape)}"
+        )
+    if not 1 <= num_kv_splits <= 1024:
+        raise ValueError(f"num_kv_splits must be in 1..1024, got {num_kv_splits}")
+    need = workspace_numel(num_rows, num_heads, num_kv_splits)
+    if (
+        workspace.dtype != torch.float32
+        or not workspace.is_contiguous()
+        or workspace.dim() != 1
+        or workspace.numel() < need
+    ):
+        raise ValueError(
+            f"workspace must be a contiguous 1-D float32 tensor of >= {need} "
+            f"elements, got {workspace.dtype} {tuple(workspace.shape)}"
+        )
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
+    if dcp_size < 1 or not 0 <= dcp_rank < dcp_size or cp_interleave < 1:
+        raise ValueError(
+            f"need dcp_size >= 1, 0 <= dcp_rank < dcp_size, cp_interleave >= 1; "
+            f"got {dcp_size}, {dcp_rank}, {cp_interleave}"
+        )
+    if num_valid_reqs is not None and (
+        num_valid_reqs.numel() != 1 or num_valid_reqs.dtype != torch.int32
+    ):
+        raise ValueError("num_valid_reqs must be a 1-element int32 tensor")
+    tensors = [q, kv_cache, block_table, seq_lens, o, lse, workspace]
+    if kv_cache.dtype == torch.float8_e4m3fn and k_scale is not None:
+        tensors.append(k_scale)
+    if num_valid_reqs is not None:
+        tensors.append(num_valid_reqs)
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise ValueError(
+            f"all tensors must be on one device, got {sorted(map(str, devices))}"
+        )
+    return num_reqs

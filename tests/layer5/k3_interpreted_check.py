@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Run the fused verify kernels under Triton's CPU interpreter and compare
+them with the float64 reference; exits non-zero on a mismatch.
+
+Usage: ``TRITON_INTERPRET=1 python k3_interpreted_check.py float16`` (or
+``float8_e4m3fn`` for the KV dtype). The interpreter must be on before triton
+is imported, so test_fused_mla_verify_cpu.py runs this in a fresh process.
+fp16 stands in for bf16 queries, which the interpreter (numpy) cannot compute.
+The case is a DCP rank with causal rows, rows that see nothing and several
+KV splits.
+"""
+
+import os
+import sys
+
+import torch
+from k3_reference import (
+    dequant,
+    owner_rank,
+    paged_cache,
+    random_kv,
+    reference_attention,
+    visible_mask,
+)
+from k3_standalone import load_fused_verify
+
+QUERY_LEN, HEADS, DCP_SIZE, RANK, INTERLEAVE = 3, 5, 2, 1, 4
+K_SCALE, SM_SCALE, SPLITS = 0.05, 0.07, 3
+SEQ_LENS = [0, 1, 37, 300]
+
+
+def check(kv_dtype: torch.dtype) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1")
+    ops = load_fused_verify()
+    stored = [random_kv(n, kv_dtype, K_SCALE, "cpu") for n in SEQ_LENS]
+    local = [
+        kv[owner_rank(torch.arange(len(kv)), DCP_SIZE, INTERLEAVE) == RANK]
+        for kv in stored
+    ]
+    cache, table = paged_cache(local, 16)
+    rows = len(SEQ_LENS) * QUERY_LEN
+    q = torch.randn(rows, HEADS, 576, dtype=torch.float16)
+    o = torch.full((rows, HEADS, 512), float("nan"), dtype=torch.float16)
+    lse = torch.full((rows, HEADS), float("nan"))
+    ops.fused_mla_verify_decode(
+        q,
+        cache,
+        table,
+        torch.tensor(SEQ_LENS, dtype=torch.int32),
+        o,
+        lse,
+        torch.empty(ops.workspace_numel(rows, HEADS, SPLITS)),
+        query_len=QUERY_LEN,
+        sm_scale=SM_SCALE,
+        num_kv_splits=SPLITS,
+        k_scale=torch.tensor([K_SCALE]),
+        dcp_size=DCP_SIZE,
+        dcp_rank=RANK,
+        cp_interleave=INTERLEAVE,
+    )
+    masks = [
+        visible_mask(
+            n, QUERY_LEN, dcp_size=DCP_SIZE, dcp_rank=RANK, cp_interleave=INTERLEAVE
+        )
+        for n in SEQ_LENS
+    ]
+    ref_o, ref_lse = reference_attention(
+        q, [dequant(kv, K_SCALE) for kv in stored], masks, SM_SCALE
+    )
+    empty = torch.isinf(ref_lse)
+    assert empty.any() and not empty.all(), "the case must mix empty and seen rows"
+    assert torch.equal(torch.isinf(lse), empty), "empty rows differ"
+    assert (o[empty] == 0).all(), "an empty row has a non-zero output"
+    # fp16 operands with fp32 accumulation: far inside the GPU tests' 1e-2.
+    seen = ~empty
+    err = ((o.double()[seen] - ref_o[seen]).norm() / ref_o[seen].norm()).item()
+    lse_err = (lse.double()[seen] - ref_lse[seen]).abs().max().item()
+    print(f"relative output error {err:.2e}, LSE error {lse_err:.2e}")
+    assert err < 2e-3 and lse_err < 1e-4
+
+
+if __name__ == "__main__":
+    check(getattr(torch, sys.argv[1]))

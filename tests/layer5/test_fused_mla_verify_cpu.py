@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU checks of the fused MLA verification kernel module: argument
+validation, workspace sizing, split choice and the DCP length formula. The
+kernel's arithmetic is proven on the GPU (test_fused_mla_verify_gpu.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the layer-5 kernel module needs triton")
+
+from k3_reference import owner_rank  # noqa: E402  (sibling module)
+
+INTERPRETED_CHECK = Path(__file__).with_name("k3_interpreted_check.py")
+
+H200_SMS = 132
+
+
+def _args(ops, **overrides):
+    """Valid CPU arguments for 2 requests x 4 rows x 16 heads, page 16."""
+    num_reqs, query_len, heads, splits = 2, 4, 16, 3
+    rows = num_reqs * query_len
+    args = {
+        "q": torch.zeros(rows, heads, 576, dtype=torch.bfloat16),
+        "kv_cache": torch.zeros(8, 16, 576, dtype=torch.bfloat16),
+        "block_table": torch.zeros(num_reqs, 4, dtype=torch.int32),
+        "seq_lens": torch.zeros(num_reqs, dtype=torch.int32),
+        "o": torch.zeros(rows, heads, 512, dtype=torch.bfloat16),
+        "lse": torch.zeros(rows, heads),
+        "workspace": torch.zeros(ops.workspace_numel(rows, heads, splits)),
+        "query_len": query_len,
+        "sm_scale": 0.07,
+        "num_kv_splits": splits,
+    }
+    args.update(overrides)
+    return args
+
+
+def _call(ops, **overrides):
+    args = _args(ops, **overrides)
+    tensors = [args.pop(k) for k in ("q", "kv_cache", "block_table", "seq_lens")]
+    tensors += [args.pop(k) for k in ("o", "lse", "workspace")]
+    ops.fused_mla_verify_decode(*tensors, **args)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"q": torch.zeros(8, 16, 512, dtype=torch.bfloat16)}, "q must be"),
+        ({"q": torch.zeros(8, 16, 576)}, "bfloat16 or float16"),
+        ({"q": torch.zeros(6, 16, 576, dtype=torch.bfloat16)}, "q has 6 rows"),
+        ({"query_len": 0}, "query_len must be"),
+        ({"query_len": 17}, "query_len must be"),
+        ({"kv_cache": torch.zeros(8, 16, 1, 576, dtype=torch.bfloat16)}, "kv_cache"),
+        ({"kv_cache": torch.zeros(8, 16, 576, dtype=torch.float16)}, "must match q"),
+        ({"kv_cache": torch.zeros(8, 16, 576, dtype=torch.float8_e4m3fn)}, "k_scale"),
+        ({"block_table": torch.zeros(2, 4, dtype=torch.int64)}, "block_table"),
+        ({"block_table": torch.zeros(1, 4, dtype=torch.int32)}, "block_table"),
+        ({"seq_lens": torch.zeros(2, dtype=torch.int64)}, "seq_lens"),
+        ({"o": torch.zeros(8, 16, 576, dtype=torch.bfloat16)}, "o must be"),
+        ({"lse": torch.zeros(8, 16, dtype=torch.bfloat16)}, "lse must be"),
+        ({"lse": torch.zeros(8, 15)}, "lse must be"),
+        ({"workspace": torch.zeros(10)}, "workspace"),
+        (
+            {"workspace": torch.zeros(8 * 16 * 3 * 513, dtype=torch.float64)},
+            "workspace",
+        ),
+        ({"num_kv_splits": 0}, "num_kv_splits"),
+        ({"sm_scale": float("nan")}, "sm_scale"),
+        ({"sm_scale": 0.0}, "sm_scale"),
+        ({"dcp_size": 2, "dcp_rank": 2}, "dcp_rank"),
+        ({"cp_interleave": 0}, "cp_interleave"),
+        ({"num_valid_reqs": torch.tensor([1, 2], dtype=torch.int32)}, "num_valid"),
+        ({"o": torch.zeros(8, 16, 512, device="meta")}, "one device"),
+    ],
+)
+def test_invalid_argument_raises_value_error(fused_verify, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _call(fused_verify, **overrides)
+
+
+def test_workspace_one_element_short_is_rejected(fused_verify):
+    need = fused_verify.workspace_numel(8, 16, 3)
+    with pytest.raises(ValueError, match=f">= {need} elements"):
+        _call(fused_verify, workspace=torch.zeros(need - 1))
+
+
+def test_workspace_numel_counts_partial_outputs_and_lses(fused_verify):
+    assert fused_verify.workspace_numel(32, 128, 4) == 32 * 128 * 4 * (512 + 1)
+
+
+def test_fp8_cache_with_float64_scale_is_rejected(fused_verify):
+    with pytest.raises(ValueError, match="k_scale"):
+        _call(
+            fused_verify,
+            kv_cache=torch.zeros(8, 16, 576, dtype=torch.float8_e4m3fn),
+            k_scale=torch.tensor([1.0], dtype=torch.float64),
+        )
+
+
+def test_config_folding_too_many_rows_is_rejected(fused_verify):
+    config = fused_verify.VerifyKernelConfig(
+        heads_per_tile=32, block_n=32, num_warps=8, num_stages=3
+    )
+    with pytest.raises(ValueError, match="heads_per_tile"):
+        _call(fused_verify, config=config)
+
+
+@pytest.mark.parametrize("dcp_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("interleave", [1, 2, 16, 64])
+def test_local_kv_len_counts_the_tokens_a_rank_owns(fused_verify, dcp_size, interleave):
+    positions = torch.arange(3 * dcp_size * interleave + 5)
+    owners = owner_rank(positions, dcp_size, interleave)
+    for rank in range(dcp_size):
+        owned_before = torch.cumsum(owners == rank, 0)
+        for length in range(len(positions) + 1):
+            expected = int(owned_before[length - 1]) if length else 0
+            got = fused_verify.local_kv_len(length, dcp_size, rank, interleave)
+            assert got == expected, (length, dcp_size, rank, interleave)
+
+
+@pytest.mark.parametrize("query_len", range(1, 17))
+@pytest.mark.parametrize("heads", [1, 5, 12, 16, 96, 128])
+def test_default_config_covers_heads_within_the_row_budget(
+    fused_verify, query_len, heads
+):
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        config = fused_verify.default_config(query_len, heads, kv_dtype)
+        tiles = fused_verify.num_head_tiles(heads, config)
+        assert tiles * config.heads_per_tile >= heads
+        assert (tiles - 1) * config.heads_per_tile < heads
+        assert query_len * config.heads_per_tile <= 64
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2, 8, 32, 256])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_split_choice_fills_at_most_one_wave(fused_verify, num_reqs, heads):
+    splits = fused_verify.choose_num_kv_splits(num_reqs, heads, 4, 131_072, H200_SMS)
+    config = fused_verify.default_config(4, heads, torch.bfloat16)
+    programs = num_reqs * fused_verify.num_head_tiles(heads, config)
+    assert splits >= 1
+    assert programs * splits <= max(programs, H200_SMS)
+    assert programs * (splits + 1) > H200_SMS
+
+
+def test_short_contexts_get_fewer_splits(fused_verify):
+    assert fused_verify.choose_num_kv_splits(1, 16, 4, 1024, H200_SMS) == 4
+    assert fused_verify.choose_num_kv_splits(1, 16, 4, 100, H200_SMS) == 1
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.mark.skipif(
+    _release(triton.__version__) < (3, 8) and _release(numpy.__version__) >= (2, 5),
+    reason="Triton < 3.8's interpreter turns loop bounds into int(ndarray), which "
+    "NumPy >= 2.5 refuses for the 1-element arrays that loaded scalars are",
+)
+@pytest.mark.parametrize("kv_dtype", ["float16", "float8_e4m3fn"])
+def test_interpreted_kernel_matches_float64_reference(kv_dtype):
+    """The kernels' index and mask logic under Triton's CPU interpreter, which
+    must be switched on before triton is imported: hence a fresh process."""
+    result = subprocess.run(
+        [sys.executable, str(INTERPRETED_CHECK), kv_dtype],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
