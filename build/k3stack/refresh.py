@@ -16,6 +16,7 @@ from k3stack.worktree import (
     digests_of,
     disk_digest,
     layer_digest,
+    layer_tag,
     read_marker,
     write_marker,
 )
@@ -140,6 +141,8 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         if new != old:
             layer.patch_file.write_bytes(new)
             changed.append(f"patches/{layer.name}: updated")
+    for number, commit in enumerate(commits, start=1):
+        git(tree, "tag", "-f", layer_tag(number), commit)
     write_marker(tree, applied, digests_of(load_stack(stack.root), applied))
     return changed
 

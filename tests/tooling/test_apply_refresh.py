@@ -187,3 +187,18 @@ def test_refresh_refuses_to_overwrite_uncommitted_edits_in_the_checkout(
     assert (filled.root / "overlay/vllm/logits.py").read_text() == (
         "TOPK = 7  # unsaved\n"
     )
+
+
+def test_a_fixup_squashed_into_its_layer_is_refreshed_and_tags_follow(
+    filled: Synthetic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    filled.apply()
+    (filled.tree / "vllm/logits.py").write_text("TOPK = 32\n")
+    git(filled.tree, "commit", "-qam", "fixup! Layer 2")
+    monkeypatch.setenv("GIT_SEQUENCE_EDITOR", "true")
+    git(filled.tree, "rebase", "-q", "-i", "--autosquash", "upstream")
+    changed = refresh(filled.stack(), filled.tree)
+    assert "overlay/vllm/logits.py: updated" in changed
+    assert git(filled.tree, "rev-parse", "layer-2") == git(
+        filled.tree, "rev-parse", "HEAD~1"
+    )
