@@ -14,7 +14,9 @@ alternates, request by request, between the two with the same bytes:
 Reported per case (p50 and p99 over the iterations, microseconds): the raw
 round trip, the server round trip, the server's engine time (``timing_ms``
 context + query + device_wait + copy_back), the round trip minus the engine
-time, and its ratio to the raw round trip (target: at most 1.15 at p50).
+time, and its ratio to the raw round trip (target: at most 1.15 at p50). The
+JSON also holds the server's own handling time (``timing_ms.total``) and the
+round trip minus it (the transport's share).
 
 Usage::
 
@@ -29,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -66,27 +69,46 @@ def raw_echo(address: str) -> None:
         sock.send(replies[size], copy=False)
 
 
-def start_server(args: argparse.Namespace, address: str, status_port: int):
+def start_server(args: argparse.Namespace, address: str, status_port: int, log):
     command = [
-        sys.executable, "-m", "vllm.entrypoints.k3_dspark_standalone",
-        "--engine", "reference", "--device", args.device,
-        "--address", address, "--status-port", str(status_port),
-        "--context-width", str(WIDTH), "--hidden-size", "64",
-        "--max-num-seqs", "8", "--max-requests", "16",
-        "--max-speculative-tokens", str(K), "--max-context-tokens", "64",
-        "--window-size", "256", "--max-model-len", str(1 << 20),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.k3_dspark_standalone",
+        "--engine",
+        "reference",
+        "--device",
+        args.device,
+        "--address",
+        address,
+        "--status-port",
+        str(status_port),
+        "--context-width",
+        str(WIDTH),
+        "--hidden-size",
+        "64",
+        "--max-num-seqs",
+        "8",
+        "--max-requests",
+        "16",
+        "--max-speculative-tokens",
+        str(K),
+        "--max-context-tokens",
+        "64",
+        "--window-size",
+        "256",
+        "--max-model-len",
+        str(1 << 20),
     ]
     if args.enable_cuda_graph:
         command.append("--enable-cuda-graph")
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{status_port}/readyz"
     for _ in range(1200):
         if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "died")
+            log.seek(0)
+            raise RuntimeError(f"draft server exited:\n{log.read().decode()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as reply:
                 if reply.status == 200:
@@ -126,16 +148,23 @@ class Case:
             protocol.OP_PROPOSE, num_speculative_tokens=K, requests=requests
         )
         positions = torch.arange(start, self.end).repeat(self.batch)
-        return [protocol.encode_header(header), protocol.tensor_frame(positions), self.rows]
+        return [
+            protocol.encode_header(header),
+            protocol.tensor_frame(positions),
+            self.rows,
+        ]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
     array = np.asarray(values) * 1e6
-    return {"p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+    return {
+        "p50": float(np.percentile(array, 50)),
+        "p99": float(np.percentile(array, 99)),
+    }
 
 
 def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
-    raw_rtt, rtt, engine = [], [], []
+    raw_rtt, rtt, engine, handled = [], [], [], []
     for index in range(args.warmup + args.iters):
         frames = next_frames()
         start = time.perf_counter()
@@ -146,6 +175,7 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
         assert header["ok"], header
         timing = header.get("timing_ms", {})
         engine_s = sum(timing.get(key, 0.0) for key in ENGINE_TIMINGS) / 1e3
+        handled_s = timing.get("total", 0.0) / 1e3
         size = len(reply[0].bytes).to_bytes(8, "little")
         raw_frames = [*frames[:-1], size + bytes(frames[-1])[8:]]
         start = time.perf_counter()
@@ -155,6 +185,7 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
         if index >= args.warmup:
             rtt.append(elapsed)
             engine.append(engine_s)
+            handled.append(handled_s)
             raw_rtt.append(raw_elapsed)
     overhead = [r - e for r, e in zip(rtt, engine)]
     result = {
@@ -163,6 +194,8 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
         "raw_us": percentiles(raw_rtt),
         "rtt_us": percentiles(rtt),
         "engine_us": percentiles(engine),
+        "server_total_us": percentiles(handled),
+        "rtt_minus_server_total_us": percentiles([r - h for r, h in zip(rtt, handled)]),
         "rtt_minus_engine_us": percentiles(overhead),
     }
     result["ratio_p50"] = result["rtt_minus_engine_us"]["p50"] / result["raw_us"]["p50"]
@@ -185,7 +218,8 @@ def main() -> None:
     server_address = f"tcp://127.0.0.1:{free_port()}"
     raw_address = f"tcp://127.0.0.1:{free_port()}"
     echo = subprocess.Popen([sys.executable, __file__, "--raw-echo", raw_address])
-    proc = start_server(args, server_address, free_port())
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
+    proc = start_server(args, server_address, free_port(), log)
     ctx = zmq.Context()
     sockets = []
     for address in (server_address, raw_address):
@@ -208,20 +242,27 @@ def main() -> None:
         echo.terminate()
         proc.wait()
         echo.wait()
-    print(f"{'case':<12} {'bytes':>9} {'raw p50/p99 us':>16} {'rtt p50/p99':>16} "
-          f"{'engine p50':>10} {'rtt-eng p50/p99':>16} {'ratio p50/p99':>14}")
+    print(
+        f"{'case':<12} {'bytes':>9} {'raw p50/p99 us':>16} {'rtt p50/p99':>16} "
+        f"{'engine p50':>10} {'rtt-eng p50/p99':>16} {'ratio p50/p99':>14}"
+    )
     for r in results:
+        overhead = r["rtt_minus_engine_us"]
         print(
             f"{r['case']:<12} {r['request_bytes']:>9} "
             f"{r['raw_us']['p50']:>7.1f}/{r['raw_us']['p99']:<8.1f} "
             f"{r['rtt_us']['p50']:>7.1f}/{r['rtt_us']['p99']:<8.1f} "
             f"{r['engine_us']['p50']:>10.1f} "
-            f"{r['rtt_minus_engine_us']['p50']:>7.1f}/{r['rtt_minus_engine_us']['p99']:<8.1f} "
+            f"{overhead['p50']:>7.1f}/{overhead['p99']:<8.1f} "
             f"{r['ratio_p50']:>6.2f}/{r['ratio_p99']:<6.2f}"
         )
     if args.out:
-        meta = {"cpus": os.cpu_count(), "device": args.device,
-                "cuda_graph": args.enable_cuda_graph, "iters": args.iters}
+        meta = {
+            "cpus": os.cpu_count(),
+            "device": args.device,
+            "cuda_graph": args.enable_cuda_graph,
+            "iters": args.iters,
+        }
         with open(args.out, "w") as out:
             json.dump({"meta": meta, "results": results}, out, indent=2)
 

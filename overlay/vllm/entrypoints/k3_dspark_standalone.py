@@ -19,6 +19,7 @@ SIGTERM/SIGINT stop it cleanly.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -331,6 +332,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         check_free_after_capture(engine.device, args.min_free_memory_gib)
         load_capability_plugins()
         server = DraftServer(engine, shapes)
+        # Long-lived start-up objects need no further cyclic GC passes.
+        gc.collect()
+        gc.freeze()
     except MemoryError as exc:
         logger.error("Refusing to serve: %s", exc)
         status.stop()

@@ -15,6 +15,7 @@ captured; context K/V is always written eagerly.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -37,61 +38,75 @@ from vllm.k3_draft.log import init_logger
 
 logger = init_logger(__name__)
 
-_ROPE_THETA = 10000.0
-_RMS_EPS = 1e-6
 # Valid-start of padding rows: no context position is attended.
 _NO_CONTEXT = 1 << 62
 
 
 @dataclass(frozen=True)
-class ReferenceModelConfig:
-    """Shape of the reference draft; ``mask_token_id`` is the last vocab id."""
+class DraftShape:
+    """Architecture of a Qwen3-style DFlash/DSpark draft as the torch engine
+    runs it (non-causal query block, neox RoPE, no biases)."""
 
-    method: str = "dflash"
-    vocab_size: int = 1024
-    context_width: int = 192
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    markov_rank: int = 16
-    seed: int = 0
+    method: str
+    vocab_size: int
+    context_width: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    mask_token_id: int
+    # DSpark's low-rank Markov head (0 for DFlash).
+    markov_rank: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "dspark"):
             raise ValueError(f"unknown draft method {self.method!r}")
-        for name in ("vocab_size", "context_width", "hidden_size", "num_layers"):
+        for name in (
+            "vocab_size",
+            "context_width",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.num_heads <= 0 or self.hidden_size % (2 * self.num_heads):
-            raise ValueError("hidden_size must be a multiple of 2 * num_heads")
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.vocab_size - 1
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
+            raise ValueError("head_dim must be even, num_heads a multiple of kv heads")
+        if (self.method == "dspark") != (self.markov_rank > 0):
+            raise ValueError("a DSpark draft (only) has a Markov head rank")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask token {self.mask_token_id} outside the vocabulary")
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Engine weight names -> shapes (per-layer weights stacked)."""
         h, v, layers = self.hidden_size, self.vocab_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.intermediate_size
         shapes: dict[str, tuple[int, ...]] = {
             "embed": (v, h),
             "fc": (h, self.context_width),
             "hidden_norm": (h,),
             "final_norm": (h,),
             "lm_head": (v, h),
-            "markov_w1": (v, self.markov_rank),
-            "markov_w2": (v, self.markov_rank),
         }
+        if self.markov_rank:
+            shapes["markov_w1"] = (v, self.markov_rank)
+            shapes["markov_w2"] = (v, self.markov_rank)
         for name, shape in (
-            ("wq", (h, h)),
-            ("wk", (h, h)),
-            ("wv", (h, h)),
-            ("wo", (h, h)),
-            ("w_gate", (2 * h, h)),
-            ("w_up", (2 * h, h)),
-            ("w_down", (h, 2 * h)),
+            ("wq", (q, h)),
+            ("wk", (kv, h)),
+            ("wv", (kv, h)),
+            ("wo", (h, q)),
+            ("w_gate", (inter, h)),
+            ("w_up", (inter, h)),
+            ("w_down", (h, inter)),
             ("q_norm", (self.head_dim,)),
             ("k_norm", (self.head_dim,)),
             ("input_norm", (h,)),
@@ -101,16 +116,50 @@ class ReferenceModelConfig:
         return shapes
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class ReferenceModelConfig:
+    """The reference draft: random weights from ``seed``; ``mask_token_id`` is
+    the last vocabulary id."""
+
+    method: str = "dflash"
+    vocab_size: int = 1024
+    context_width: int = 192
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads <= 0 or self.hidden_size % (2 * self.num_heads):
+            raise ValueError("hidden_size must be a multiple of 2 * num_heads")
+        self.shape()
+
+    def shape(self) -> DraftShape:
+        return DraftShape(
+            method=self.method,
+            vocab_size=self.vocab_size,
+            context_width=self.context_width,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_heads,
+            head_dim=self.hidden_size // self.num_heads,
+            intermediate_size=2 * self.hidden_size,
+            mask_token_id=self.vocab_size - 1,
+            markov_rank=16 if self.method == "dspark" else 0,
+        )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + _RMS_EPS)).to(x.dtype) * weight
+    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Neox rotary embedding of ``x`` ``[..., heads, head_dim]`` at
     ``positions`` ``[...]``."""
     half = x.shape[-1] // 2
-    inv_freq = _ROPE_THETA ** (
+    inv_freq = theta ** (
         -torch.arange(half, device=x.device, dtype=torch.float32) / half
     )
     angles = positions.float().unsqueeze(-1) * inv_freq
@@ -120,29 +169,30 @@ def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class ReferenceEngine(DraftEngine):
-    """The reference draft engine (see the module docstring)."""
+class TorchDraftEngine(DraftEngine):
+    """A ``DraftShape`` draft in plain torch; subclasses provide the weights
+    (see the module docstring)."""
 
     def __init__(
         self,
         limits: DraftLimits,
-        model: ReferenceModelConfig,
+        shape: DraftShape,
         device: torch.device,
         enable_cuda_graph: bool = False,
     ) -> None:
         if enable_cuda_graph and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.limits = limits
-        self.model = model
+        self.shape = shape
         self.device = device
         self.enable_cuda_graph = enable_cuda_graph
         self.geometry = limits.geometry
         self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.spec = EngineSpec(
-            method=model.method,
-            vocab_size=model.vocab_size,
-            context_width=model.context_width,
-            hidden_size=model.hidden_size,
+            method=shape.method,
+            vocab_size=shape.vocab_size,
+            context_width=shape.context_width,
+            hidden_size=shape.hidden_size,
             supports_logits=True,
             query_kv_overhang=0,
         )
@@ -150,27 +200,31 @@ class ReferenceEngine(DraftEngine):
         self._graphs = {}
         self._graph_sizes = graph_batch_sizes(limits.max_batch_size)
 
+    @abc.abstractmethod
+    def host_weights(self) -> dict[str, torch.Tensor]:
+        """CPU tensors of ``shape.weight_shapes()`` (any float dtype)."""
+
     # ------------------------------------------------------------ lifecycle
 
     def memory_plan(self) -> MemoryPlan:
         itemsize = self.dtype.itemsize
-        limits, model = self.limits, self.model
-        kv = (
-            model.num_layers * 2 * self.geometry.num_blocks * limits.block_size
-        ) * model.hidden_size
+        limits, shape = self.limits, self.shape
+        kv = (shape.num_layers * 2 * self.geometry.num_blocks * limits.block_size) * (
+            shape.num_kv_heads * shape.head_dim
+        )
         weights = sum(
-            torch.Size(shape).numel() for shape in model.weight_shapes().values()
+            torch.Size(size).numel() for size in shape.weight_shapes().values()
         )
         logits = (
-            limits.max_batch_size * limits.max_speculative_tokens * model.vocab_size
+            limits.max_batch_size * limits.max_speculative_tokens * shape.vocab_size
         )
-        staging = limits.max_context_tokens * (model.context_width * 2 + 8)
+        staging = limits.max_context_tokens * (shape.context_width * 2 + 8)
         return MemoryPlan(
             kv_bytes=kv * itemsize,
             prefix_cache_bytes=ContextCache.bytes_needed(
                 limits.max_requests,
                 limits.prefix_cache_tokens,
-                model.hidden_size,
+                shape.hidden_size,
                 self.dtype,
             ),
             weight_bytes=weights * itemsize,
@@ -178,29 +232,29 @@ class ReferenceEngine(DraftEngine):
         )
 
     def load(self) -> None:
-        model, limits = self.model, self.limits
-        generator = torch.Generator().manual_seed(model.seed)
-        self.w: dict[str, torch.Tensor] = {}
-        for name, shape in model.weight_shapes().items():
-            if "norm" in name:
-                value = 1.0 + 0.1 * torch.randn(shape, generator=generator)
-            else:
-                value = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
-            self.w[name] = value.to(device=self.device, dtype=self.dtype)
-        # [layer, K/V, flat cache position, head, dim]; layout: kv_slots.
+        shape, limits = self.shape, self.limits
+        weights = self.host_weights()
+        expected = shape.weight_shapes()
+        if {name: tuple(t.shape) for name, t in weights.items()} != expected:
+            raise ValueError("draft weights do not match the draft shape")
+        self.w = {
+            name: value.to(device=self.device, dtype=self.dtype)
+            for name, value in weights.items()
+        }
+        # [layer, K/V, flat cache position, kv head, dim]; layout: kv_slots.
         self.kv = torch.zeros(
-            model.num_layers,
+            shape.num_layers,
             2,
             self.geometry.num_blocks * limits.block_size,
-            model.num_heads,
-            model.head_dim,
+            shape.num_kv_heads,
+            shape.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
         self.cache = ContextCache(
             limits.max_requests,
             limits.prefix_cache_tokens,
-            model.hidden_size,
+            shape.hidden_size,
             self.dtype,
             self.device,
         )
@@ -215,7 +269,7 @@ class ReferenceEngine(DraftEngine):
         if pin:
             self._host_rows = torch.empty(
                 limits.max_context_tokens,
-                model.context_width,
+                shape.context_width,
                 dtype=torch.bfloat16,
                 pin_memory=True,
             )
@@ -242,10 +296,16 @@ class ReferenceEngine(DraftEngine):
                 logits = self._query(batch, depth)
             self._graphs[(batch, depth)] = (graph, logits)
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d reference draft CUDA graphs", len(shapes))
+        logger.info("Captured %d draft CUDA graphs", len(shapes))
         return sorted(self._graphs)
 
     # ------------------------------------------------------------- compute
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, weight, self.shape.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return _rope(x, positions, self.shape.rope_theta)
 
     def _combine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(self.dtype) @ self.w["fc"].T
@@ -255,25 +315,25 @@ class ReferenceEngine(DraftEngine):
     ) -> None:
         """Context K/V of ``combined`` rows at ``positions`` into flat cache
         ``index`` for every layer."""
-        model, w = self.model, self.w
-        x = _rms_norm(combined, w["hidden_norm"])
-        shape = (x.shape[0], model.num_heads, model.head_dim)
-        for layer in range(model.num_layers):
-            k = _rms_norm((x @ w["wk"][layer].T).view(shape), w["k_norm"][layer])
-            v = (x @ w["wv"][layer].T).view(shape)
-            self.kv[layer, 0].index_copy_(0, index, _rope(k, positions))
+        shape, w = self.shape, self.w
+        x = self._norm(combined, w["hidden_norm"])
+        kv_shape = (x.shape[0], shape.num_kv_heads, shape.head_dim)
+        for layer in range(shape.num_layers):
+            k = self._norm((x @ w["wk"][layer].T).view(kv_shape), w["k_norm"][layer])
+            v = (x @ w["wv"][layer].T).view(kv_shape)
+            self.kv[layer, 0].index_copy_(0, index, self._rope(k, positions))
             self.kv[layer, 1].index_copy_(0, index, v)
 
     def _query(self, batch: int, depth: int) -> torch.Tensor:
         """Draft logits ``[batch, depth, V]`` from the query inputs' first
         ``batch`` rows (fixed shapes: capturable)."""
-        model, w, window = self.model, self.w, self.limits.window_size
+        shape, w, window = self.shape, self.w, self.limits.window_size
         anchors, anchor_pos, slots, starts = self._query_in[:, :batch]
-        dflash = model.method == "dflash"
+        dflash = shape.method == "dflash"
         rows = depth + 1 if dflash else depth
         offsets = torch.arange(rows, device=self.device)
         ids = torch.full(
-            (batch, rows), model.mask_token_id, dtype=torch.int64, device=self.device
+            (batch, rows), shape.mask_token_id, dtype=torch.int64, device=self.device
         )
         ids[:, 0] = anchors
         positions = anchor_pos[:, None] + offsets
@@ -284,14 +344,15 @@ class ReferenceEngine(DraftEngine):
             (ctx_pos >= starts[:, None], torch.ones_like(ids, dtype=torch.bool)), 1
         )[:, None, None, :]
         ctx_index = self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0))
-        shape = (batch, rows, model.num_heads, model.head_dim)
+        q_shape = (batch, rows, shape.num_heads, shape.head_dim)
+        kv_shape = (batch, rows, shape.num_kv_heads, shape.head_dim)
         x = w["embed"][ids]
-        for layer in range(model.num_layers):
-            h = _rms_norm(x, w["input_norm"][layer])
-            q = _rms_norm((h @ w["wq"][layer].T).view(shape), w["q_norm"][layer])
-            k = _rms_norm((h @ w["wk"][layer].T).view(shape), w["k_norm"][layer])
-            v = (h @ w["wv"][layer].T).view(shape)
-            q, k = _rope(q, positions), _rope(k, positions)
+        for layer in range(shape.num_layers):
+            h = self._norm(x, w["input_norm"][layer])
+            q = self._norm((h @ w["wq"][layer].T).view(q_shape), w["q_norm"][layer])
+            k = self._norm((h @ w["wk"][layer].T).view(kv_shape), w["k_norm"][layer])
+            v = (h @ w["wv"][layer].T).view(kv_shape)
+            q, k = self._rope(q, positions), self._rope(k, positions)
             keys = torch.cat((self.kv[layer, 0][ctx_index], k), 1)
             values = torch.cat((self.kv[layer, 1][ctx_index], v), 1)
             out = F.scaled_dot_product_attention(
@@ -299,12 +360,13 @@ class ReferenceEngine(DraftEngine):
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
                 attn_mask=attend,
+                enable_gqa=shape.num_heads != shape.num_kv_heads,
             )
-            x = x + out.transpose(1, 2).reshape(x.shape) @ w["wo"][layer].T
-            h = _rms_norm(x, w["post_norm"][layer])
+            x = x + out.transpose(1, 2).flatten(2) @ w["wo"][layer].T
+            h = self._norm(x, w["post_norm"][layer])
             mlp = F.silu(h @ w["w_gate"][layer].T) * (h @ w["w_up"][layer].T)
             x = x + mlp @ w["w_down"][layer].T
-        hidden = _rms_norm(x[:, 1:] if dflash else x, w["final_norm"])
+        hidden = self._norm(x[:, 1:] if dflash else x, w["final_norm"])
         logits = hidden @ w["lm_head"].T
         if dflash:
             return logits
@@ -387,3 +449,28 @@ class ReferenceEngine(DraftEngine):
             self._write_kv(
                 combined, positions, self.geometry.slot_mapping(slots, positions)
             )
+
+
+class ReferenceEngine(TorchDraftEngine):
+    """The reference draft: random weights, deterministic given the seed."""
+
+    def __init__(
+        self,
+        limits: DraftLimits,
+        model: ReferenceModelConfig,
+        device: torch.device,
+        enable_cuda_graph: bool = False,
+    ) -> None:
+        super().__init__(limits, model.shape(), device, enable_cuda_graph)
+        self.seed = model.seed
+
+    def host_weights(self) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        weights = {}
+        for name, size in self.shape.weight_shapes().items():
+            if "norm" in name:
+                value = 1.0 + 0.1 * torch.randn(size, generator=generator)
+            else:
+                value = torch.randn(size, generator=generator) / size[-1] ** 0.5
+            weights[name] = value
+        return weights

@@ -122,6 +122,8 @@ class DraftServer:
             if extension.is_offered(self.server_info, engine.spec.supports_logits)
         ]
         self.server_info["capabilities"] = [e.capability for e in self.extensions]
+        # PONG is static but for the trailing active_requests field.
+        self._pong_prefix = encode_header(ok_reply(OP_PONG, **self.server_info))[:-1]
         self.parser = ProposeParser(
             self.limits,
             engine.spec.vocab_size,
@@ -217,8 +219,7 @@ class DraftServer:
     def _ping(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
         check_fields(header, frozenset())
         check_frame_count(frames, 0, OP_PING)
-        info = dict(self.server_info, active_requests=len(self.requests))
-        return [encode_header(ok_reply(OP_PONG, **info))]
+        return [self._pong_prefix + b',"active_requests":%d}' % len(self.requests)]
 
     def _propose(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
         parsed = self.parser.parse(header, frames)

@@ -1,0 +1,376 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Production draft engine: a DFlash or DSpark checkpoint served by the torch
+draft engine (``reference_engine.TorchDraftEngine``).
+
+The draft checkpoint is the Qwen3 draft format that upstream's
+``qwen3_dflash.py`` / ``qwen3_dspark.py`` load (``config.json`` plus
+safetensors, optionally with ``model.safetensors.index.json``). Upstream's own
+config helpers resolve the parallel-drafting (mask) token id and the target's
+aux layers, which set the context width (target hidden size x aux layers).
+Embedding and LM head that the draft does not ship are read from the target
+checkpoint through its safetensors index, as bf16; every file either
+checkpoint names must resolve to a path under that checkpoint's root.
+
+Supported: non-causal full attention over the window (the upstream default),
+neox RoPE without scaling, no biases, full draft vocabulary, DSpark with
+``sample_from_anchor`` and a vanilla Markov head. Other variants are refused
+with the reason at start-up rather than served wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vllm.k3_draft.engine import DraftLimits
+from vllm.k3_draft.log import init_logger
+from vllm.k3_draft.reference_engine import DraftShape, TorchDraftEngine
+
+logger = init_logger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+# Draft architectures (upstream registry names) -> method.
+DRAFT_ARCHITECTURES = {
+    "DFlashDraftModel": "dflash",
+    "MuseGlimmerAssistantModel": "dflash",
+    "DFlashMuseGlimmerAssistantModel": "dflash",
+    "Qwen3DSparkModel": "dspark",
+    "Qwen3OmniDSparkModel": "dspark",
+}
+TARGET_EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+)
+TARGET_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+# Upstream's default for Qwen3 drafts (set_default_rope_theta).
+_DEFAULT_ROPE_THETA = 1_000_000.0
+_LAYER_WEIGHTS = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+_GLOBAL_WEIGHTS = {
+    "fc.weight": "fc",
+    "hidden_norm.weight": "hidden_norm",
+    "norm.weight": "final_norm",
+    "embed_tokens.weight": "embed",
+    "lm_head.weight": "lm_head",
+    "markov_head.markov_w1.weight": "markov_w1",
+    "markov_head.markov_w2.weight": "markov_w2",
+}
+# Checkpoint-name aliases upstream's DFlash loader maps as well.
+_ALIASES = (
+    ("midlayer.", "layers.0."),
+    ("encoder.output_norm_enc.", "hidden_norm."),
+    ("encoder.fc.", "fc."),
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is malformed, unsupported or escapes its root."""
+
+
+def confined_path(root: Path, relative: str) -> Path:
+    """``root / relative`` resolved (symlinks followed); it must stay under
+    ``root``."""
+    if os.path.isabs(relative):
+        raise CheckpointError(f"{relative} is an absolute path")
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise CheckpointError(f"{relative} escapes the checkpoint root {root}")
+    return path
+
+
+class SafetensorsCheckpoint:
+    """Tensor name -> file of a safetensors checkpoint directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve(strict=True)
+        index = self.root / SAFETENSORS_INDEX
+        if index.is_file():
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map")
+            files = {name: str(file) for name, file in weight_map.items()}
+        else:
+            single = confined_path(self.root, SAFETENSORS_FILE)
+            files = dict.fromkeys(self._header(single), SAFETENSORS_FILE)
+        self.files = {
+            name: confined_path(self.root, file) for name, file in files.items()
+        }
+        self._headers: dict[Path, dict[str, Any]] = {}
+
+    @staticmethod
+    def _header(path: Path) -> dict[str, Any]:
+        """Tensor entries of a safetensors file (with ``"data_start"``)."""
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size > 100 << 20:
+                raise CheckpointError(f"{path} has a {size}-byte header")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for entry in header.values():
+            entry["data_start"] = 8 + size
+        return header
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> list[str]:
+        return sorted(self.files)
+
+    def load(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` on CPU, as stored."""
+        path = self.files[name]
+        if path not in self._headers:
+            self._headers[path] = self._header(path)
+        entry = self._headers[path].get(name)
+        if entry is None:
+            raise CheckpointError(f"{name} is not in {path}")
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{name}: unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{name}: byte range does not match its shape")
+        with open(path, "rb") as f:
+            f.seek(entry["data_start"] + begin)
+            data = bytearray(f.read(end - begin))
+        if len(data) != end - begin:
+            raise CheckpointError(f"{name}: {path} is truncated")
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def _refuse_unsupported(config: dict[str, Any]) -> None:
+    dflash = config.get("dflash_config") or {}
+    reasons = []
+    if config.get("attention_bias"):
+        reasons.append("attention biases")
+    if config.get("is_causal") or dflash.get("causal") or dflash.get("use_swa"):
+        reasons.append("causal or sliding-window draft attention")
+    if any(t == "sliding_attention" for t in config.get("layer_types") or ()):
+        reasons.append("sliding-window layers")
+    if dflash.get("attention_value_scale") is not None:
+        reasons.append("attention_value_scale")
+    if dflash.get("attention_sink_bias") or config.get("add_swa_attention_sink_bias"):
+        reasons.append("attention sinks")
+    if config.get("logit_scale", 1.0) != 1.0:
+        reasons.append("logit_scale")
+    draft_vocab = config.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != config.get("vocab_size"):
+        reasons.append("a reduced draft vocabulary")
+    if not config.get("is_neox_style", True):
+        reasons.append("interleaved RoPE")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        reasons.append("RoPE scaling")
+    if (
+        dflash.get("use_aux_hidden_state", config.get("use_aux_hidden_state", True))
+        is False
+    ):
+        reasons.append("drafting without aux hidden states")
+    if reasons:
+        raise CheckpointError("unsupported draft checkpoint: " + ", ".join(reasons))
+
+
+@dataclass(frozen=True)
+class DraftCheckpoint:
+    """A draft checkpoint's architecture and the aux layers it consumes."""
+
+    root: Path
+    architecture: str
+    shape: DraftShape
+    aux_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+
+    @classmethod
+    def from_dir(cls, root: str | os.PathLike[str]) -> DraftCheckpoint:
+        # Upstream's resolution of the mask token and of the aux layers.
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+            get_eagle3_aux_layers_from_config,
+        )
+        from vllm.v1.worker.gpu.spec_decode.utils import (
+            get_parallel_drafting_token_id,
+        )
+
+        path = Path(root).resolve(strict=True)
+        with open(confined_path(path, "config.json")) as f:
+            config = json.load(f)
+        architectures = config.get("architectures") or []
+        architecture = next(
+            (a for a in architectures if a in DRAFT_ARCHITECTURES), None
+        )
+        if architecture is None:
+            raise CheckpointError(
+                f"architectures {architectures} name no supported DFlash/DSpark "
+                f"draft ({sorted(DRAFT_ARCHITECTURES)})"
+            )
+        method = DRAFT_ARCHITECTURES[architecture]
+        _refuse_unsupported(config)
+        if (path / "mask_embedding.pt").exists():
+            raise CheckpointError("unsupported draft checkpoint: mask_embedding.pt")
+        if method == "dspark" and (
+            not config.get("sample_from_anchor", True)
+            or config.get("markov_head_type", "vanilla") != "vanilla"
+        ):
+            raise CheckpointError("unsupported DSpark head (needs sample_from_anchor)")
+        hf_config = SimpleNamespace(**config)
+        spec_config = SimpleNamespace(
+            draft_model_config=SimpleNamespace(hf_config=hf_config)
+        )
+        aux_layers = get_eagle3_aux_layers_from_config(spec_config)  # type: ignore[arg-type]
+        if not aux_layers:
+            raise CheckpointError("the draft config names no target aux layers")
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        target_hidden = config.get("target_hidden_size") or hidden
+        rope = config.get("rope_parameters") or {}
+        shape = DraftShape(
+            method=method,
+            vocab_size=config["vocab_size"],
+            context_width=target_hidden * len(aux_layers),
+            hidden_size=hidden,
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            intermediate_size=config["intermediate_size"],
+            mask_token_id=get_parallel_drafting_token_id(hf_config),
+            markov_rank=config.get("markov_rank", 0) if method == "dspark" else 0,
+            rope_theta=float(
+                rope.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA))
+            ),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        )
+        return cls(path, architecture, shape, tuple(aux_layers), target_hidden)
+
+
+def _engine_name(checkpoint_name: str, num_layers: int) -> tuple[str, int] | None:
+    """(engine weight name, layer or -1) of a draft checkpoint tensor name."""
+    name = checkpoint_name.removeprefix("model.")
+    for alias, replacement in _ALIASES:
+        if name.startswith(alias):
+            name = replacement + name[len(alias) :]
+    if name in _GLOBAL_WEIGHTS:
+        return _GLOBAL_WEIGHTS[name], -1
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER_WEIGHTS:
+        layer = int(parts[1])
+        if 0 <= layer < num_layers:
+            return _LAYER_WEIGHTS[parts[2]], layer
+    return None
+
+
+class ProductionEngine(TorchDraftEngine):
+    """A draft checkpoint plus the target's embedding and LM head."""
+
+    def __init__(
+        self,
+        limits: DraftLimits,
+        draft: DraftCheckpoint,
+        target_root: str | os.PathLike[str],
+        device: torch.device,
+        enable_cuda_graph: bool = False,
+    ) -> None:
+        super().__init__(limits, draft.shape, device, enable_cuda_graph)
+        self.draft = draft
+        self.target_root = Path(target_root).resolve(strict=True)
+
+    @classmethod
+    def from_checkpoints(
+        cls,
+        limits: DraftLimits,
+        draft_dir: str,
+        target_dir: str,
+        device: torch.device,
+        enable_cuda_graph: bool = False,
+    ) -> ProductionEngine:
+        draft = DraftCheckpoint.from_dir(draft_dir)
+        logger.info(
+            "Draft %s (%s): %d layers, hidden %d, aux layers %s, context width %d",
+            draft.root,
+            draft.architecture,
+            draft.shape.num_layers,
+            draft.shape.hidden_size,
+            list(draft.aux_layer_ids),
+            draft.shape.context_width,
+        )
+        return cls(limits, draft, target_dir, device, enable_cuda_graph)
+
+    def host_weights(self) -> dict[str, torch.Tensor]:
+        shape = self.shape
+        expected = shape.weight_shapes()
+        checkpoint = SafetensorsCheckpoint(self.draft.root)
+        per_layer: dict[str, list[torch.Tensor | None]] = {}
+        weights: dict[str, torch.Tensor] = {}
+        for name in checkpoint.names():
+            mapped = _engine_name(name, shape.num_layers)
+            if mapped is None or mapped[0] not in expected:
+                continue
+            engine_name, layer = mapped
+            if layer < 0:
+                weights[engine_name] = checkpoint.load(name)
+            else:
+                slots = per_layer.setdefault(engine_name, [None] * shape.num_layers)
+                slots[layer] = checkpoint.load(name)
+        for engine_name, tensors in per_layer.items():
+            if any(t is None for t in tensors):
+                raise CheckpointError(f"the draft misses {engine_name} of some layers")
+            weights[engine_name] = torch.stack(tensors)  # type: ignore[arg-type]
+        missing = {"embed", "lm_head"} - weights.keys()
+        if missing:
+            weights.update(self._target_heads(missing))
+        absent = sorted(expected.keys() - weights.keys())
+        if absent:
+            raise CheckpointError(f"the draft checkpoint lacks {absent}")
+        for name, value in weights.items():
+            if tuple(value.shape) != expected[name]:
+                raise CheckpointError(
+                    f"{name} has shape {list(value.shape)}, "
+                    f"expected {list(expected[name])}"
+                )
+        return weights
+
+    def _target_heads(self, missing: set[str]) -> dict[str, torch.Tensor]:
+        """Embedding and/or LM head from the target checkpoint, as bf16."""
+        target = SafetensorsCheckpoint(self.target_root)
+        embed = next((n for n in TARGET_EMBED_NAMES if n in target), None)
+        head = next((n for n in TARGET_LM_HEAD_NAMES if n in target), embed)
+        names = {"embed": embed, "lm_head": head}
+        heads = {}
+        for name in sorted(missing):
+            source = names[name]
+            if source is None:
+                raise CheckpointError(f"the target checkpoint has no {name} tensor")
+            logger.info("Draft %s from the target's %s", name, source)
+            heads[name] = target.load(source).to(torch.bfloat16)
+        return heads

@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The production engine on tiny checkpoints in the upstream draft format."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm.entrypoints.k3_dspark_standalone import build_engine, parse_args
+from vllm.k3_draft.engine import DraftLimits, ProposeBatch
+from vllm.k3_draft.production_engine import (
+    CheckpointError,
+    DraftCheckpoint,
+    ProductionEngine,
+    SafetensorsCheckpoint,
+    confined_path,
+)
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+
+LIMITS = DraftLimits(4, 2, 3, 256, 4096, 16, 32, 64)
+TARGET_HIDDEN = 16
+AUX_LAYERS = [1, 3, 5]
+REFERENCE = {
+    "dflash": ReferenceModelConfig(
+        "dflash",
+        vocab_size=256,
+        context_width=TARGET_HIDDEN * 3,
+        hidden_size=16,
+        num_heads=2,
+        seed=3,
+    ),
+    "dspark": ReferenceModelConfig(
+        "dspark",
+        vocab_size=256,
+        context_width=TARGET_HIDDEN * 3,
+        hidden_size=16,
+        num_heads=2,
+        seed=4,
+    ),
+}
+_LAYER_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "fc": "fc.weight",
+    "hidden_norm": "hidden_norm.weight",
+    "final_norm": "norm.weight",
+    "markov_w1": "markov_head.markov_w1.weight",
+    "markov_w2": "markov_head.markov_w2.weight",
+}
+
+
+class BF16HeadsReference(ReferenceEngine):
+    """The reference draft with bf16-rounded embedding and LM head (as the
+    production engine reads them from the target)."""
+
+    def host_weights(self):
+        weights = super().host_weights()
+        for name in ("embed", "lm_head"):
+            weights[name] = weights[name].bfloat16().float()
+        return weights
+
+
+def write_checkpoints(root: Path, method: str, **config_overrides) -> tuple[Path, Path]:
+    """Draft (single file) and target (two shards + index) checkpoints holding
+    the reference draft's weights in upstream's names."""
+    model = REFERENCE[method]
+    weights = BF16HeadsReference(LIMITS, model, torch.device("cpu")).host_weights()
+    draft, target = root / "draft", root / "target"
+    draft.mkdir()
+    target.mkdir()
+    tensors = {}
+    for name, value in weights.items():
+        if name in _LAYER_NAMES:
+            for layer in range(model.num_layers):
+                tensors[f"layers.{layer}.{_LAYER_NAMES[name]}"] = value[
+                    layer
+                ].contiguous()
+        elif name in _GLOBAL_NAMES:
+            tensors[_GLOBAL_NAMES[name]] = value.contiguous()
+    save_file(tensors, str(draft / "model.safetensors"))
+    architecture = "DFlashDraftModel" if method == "dflash" else "Qwen3DSparkModel"
+    config = {
+        "architectures": [architecture],
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_heads,
+        "intermediate_size": 2 * model.hidden_size,
+        "vocab_size": model.vocab_size,
+        "target_hidden_size": TARGET_HIDDEN,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "dflash_config": {
+            "mask_token_id": model.vocab_size - 1,
+            "target_layer_ids": [i - 1 for i in AUX_LAYERS],
+        },
+        **({"markov_rank": 16} if method == "dspark" else {}),
+        **config_overrides,
+    }
+    (draft / "config.json").write_text(json.dumps(config))
+    save_file(
+        {"model.embed_tokens.weight": weights["embed"].bfloat16()},
+        str(target / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"lm_head.weight": weights["lm_head"].bfloat16()},
+        str(target / "model-00002-of-00002.safetensors"),
+    )
+    index = {
+        "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        }
+    }
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return draft, target
+
+
+def proposal(engine) -> torch.Tensor:
+    engine.load()
+    rows = torch.randn(
+        30, TARGET_HIDDEN * 3, generator=torch.Generator().manual_seed(0)
+    )
+    batch = ProposeBatch(
+        3,
+        [1],
+        [0],
+        [30],
+        [17],
+        [30],
+        torch.arange(30),
+        rows.bfloat16(),
+        want_logits=True,
+    )
+    return engine.propose(batch).logits
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_checkpoint_config_gives_the_draft_shape(tmp_path, method):
+    draft, _ = write_checkpoints(tmp_path, method)
+    checkpoint = DraftCheckpoint.from_dir(draft)
+    assert checkpoint.shape == REFERENCE[method].shape()
+    assert checkpoint.aux_layer_ids == tuple(AUX_LAYERS)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_production_engine_matches_the_same_weights_in_the_reference(tmp_path, method):
+    draft, target = write_checkpoints(tmp_path, method)
+    production = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    reference = BF16HeadsReference(LIMITS, REFERENCE[method], torch.device("cpu"))
+    torch.testing.assert_close(proposal(production), proposal(reference))
+
+
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ({"attention_bias": True}, "attention biases"),
+        ({"dflash_config": {"causal": True, "target_layer_ids": [0]}}, "causal"),
+        ({"logit_scale": 0.5}, "logit_scale"),
+        ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "RoPE scaling"),
+        ({"architectures": ["LlamaForCausalLM"]}, "no supported"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_with_the_reason(
+    tmp_path, override, reason
+):
+    draft, _ = write_checkpoints(tmp_path, "dflash", **override)
+    with pytest.raises(CheckpointError, match=reason):
+        DraftCheckpoint.from_dir(draft)
+
+
+def test_target_index_entry_outside_the_root_is_refused(tmp_path):
+    _, target = write_checkpoints(tmp_path, "dflash")
+    index = {"weight_map": {"lm_head.weight": "../draft/model.safetensors"}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="escapes the checkpoint root"):
+        SafetensorsCheckpoint(target)
+
+
+def test_symlink_out_of_the_root_is_refused(tmp_path):
+    _, target = write_checkpoints(tmp_path, "dflash")
+    (target / "link.safetensors").symlink_to(tmp_path / "draft" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="escapes"):
+        confined_path(target.resolve(), "link.safetensors")
+
+
+def test_absolute_index_path_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="absolute"):
+        confined_path(tmp_path, "/etc/passwd")
+
+
+def test_target_heads_are_read_as_bf16_from_the_index(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    heads = engine._target_heads({"embed", "lm_head"})
+    assert {name: t.dtype for name, t in heads.items()} == {
+        "embed": torch.bfloat16,
+        "lm_head": torch.bfloat16,
+    }
+
+
+def test_truncated_safetensors_file_is_refused(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    shard = target / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        SafetensorsCheckpoint(target).load("lm_head.weight")
+
+
+def test_production_memory_plan_counts_gqa_kv_heads(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash", num_key_value_heads=1)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    blocks = 1 + 4 * (32 // 16 + 1)
+    assert engine.memory_plan().kv_bytes == 2 * 2 * blocks * 16 * 1 * 8 * 4
+
+
+def test_cli_builds_the_production_engine(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dspark")
+    args = parse_args(
+        [
+            "--engine",
+            "production",
+            "--device",
+            "cpu",
+            "--window-size",
+            "64",
+            "--draft-model",
+            str(draft),
+            "--target-model",
+            str(target),
+        ]
+    )
+    engine = build_engine(args)
+    assert engine.spec.method == "dspark" and engine.spec.context_width == 48
