@@ -69,35 +69,29 @@ def raw_echo(address: str) -> None:
         sock.send(replies[size], copy=False)
 
 
-def start_server(args: argparse.Namespace, address: str, status_port: int, log):
+# A minimal draft: the engine's time is subtracted, its size is not what this
+# measures.
+SMALL_MODEL = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2"]
+SMALL_MODEL += ["--window-size", "64"]
+
+
+def start_server(
+    args: argparse.Namespace,
+    address: str,
+    status_port: int,
+    log: Any,
+    model: list[str] = SMALL_MODEL,
+    max_k: int = K,
+) -> subprocess.Popen:
+    """A reference-engine draft server process, ready."""
     command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.k3_dspark_standalone",
-        "--engine",
-        "reference",
-        "--device",
-        args.device,
-        "--address",
-        address,
-        "--status-port",
-        str(status_port),
-        "--context-width",
-        str(WIDTH),
-        "--hidden-size",
-        "64",
-        "--max-num-seqs",
-        "8",
-        "--max-requests",
-        "16",
-        "--max-speculative-tokens",
-        str(K),
-        "--max-context-tokens",
-        "64",
-        "--window-size",
-        "256",
-        "--max-model-len",
-        str(1 << 20),
+        *(sys.executable, "-m", "vllm.entrypoints.k3_dspark_standalone"),
+        *("--engine", "reference", "--device", args.device),
+        *("--address", address, "--status-port", str(status_port)),
+        *("--context-width", str(WIDTH), *model),
+        *("--max-num-seqs", "8", "--max-requests", "16"),
+        *("--max-speculative-tokens", str(max_k), "--max-context-tokens", "64"),
+        *("--max-model-len", str(1 << 20)),
     ]
     if args.enable_cuda_graph:
         command.append("--enable-cuda-graph")
@@ -121,8 +115,9 @@ def start_server(args: argparse.Namespace, address: str, status_port: int, log):
 class Case:
     """The request stream of one PROPOSE case."""
 
-    def __init__(self, batch: int, prefix: str) -> None:
+    def __init__(self, batch: int, prefix: str, k: int = K) -> None:
         self.batch = batch
+        self.k = k
         self.ids = [f"{prefix}-{i}" for i in range(batch)]
         self.end = 0
         generator = torch.Generator().manual_seed(batch)
@@ -145,7 +140,7 @@ class Case:
             for rid in self.ids
         ]
         header = protocol.request_header(
-            protocol.OP_PROPOSE, num_speculative_tokens=K, requests=requests
+            protocol.OP_PROPOSE, num_speculative_tokens=self.k, requests=requests
         )
         positions = torch.arange(start, self.end).repeat(self.batch)
         return [
