@@ -165,10 +165,10 @@ class DeferredResolution(ImmediateResolution):
         self._pending = _Pending(step, slot)
         return speculator.draft_tokens[: step.num_reqs]
 
-    def consume(self, store: Callable[[RemoteStep, torch.Tensor], None]) -> None:
+    def consume(self, store: Callable[[InputBatch, torch.Tensor, int], None]) -> None:
         """Every rank, before request slots are freed or reused: enqueue the
-        pending reply (gate, staging copy, broadcast) and ``store(step,
-        drafts)``. No-op without a pending proposal."""
+        pending reply (gate, staging copy, broadcast), then ``store(input_batch,
+        drafts, num_speculative_tokens)`` of its step. No-op without one."""
         pending, self._pending = self._pending, None
         if pending is None:
             return

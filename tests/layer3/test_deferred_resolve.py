@@ -1,0 +1,478 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Deferred resolution on CPU (layer 3): the eligibility table, the gate
+protocol with a recording gate, ordering over the real
+``GPUModelRunner.execute_model`` / ``store_draft_tokens`` with a real
+``RemoteK3DSparkSpeculator`` (scripted ZeroMQ server), failure, and
+deferred == immediate draft state against a real reference draft server.
+
+On CPU the reply gate has no stream to park, so ``consume`` waits on the host
+for the reply; the order of everything else is the runner's own."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from k3_layer1_server import DraftServerProcess
+from toy_target import HIDDEN, NUM_AUX, make_input_batch
+
+from vllm.k3_draft import stream_gate
+from vllm.k3_draft.deferred import (
+    DeferredResolution,
+    install_deferred_resolution,
+    synchronous_reason,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
+    ImmediateResolution,
+)
+
+pytest_plugins = ("conftest_client",)
+
+K = 3
+ELIGIBLE = dict(
+    warmed=True,
+    capturing=False,
+    prefill_context_parallel=False,
+    capacity_manager=False,
+    host_copy_required=False,
+    pipeline_parallel=False,
+    extensions=False,
+)
+
+
+# ------------------------------------------------------------ eligibility
+
+
+def test_an_eligible_step_defers():
+    assert synchronous_reason(**ELIGIBLE) is None
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("warmed", False),
+        ("capturing", True),
+        ("prefill_context_parallel", True),
+        ("capacity_manager", True),
+        ("host_copy_required", True),
+        ("pipeline_parallel", True),
+        ("extensions", True),
+    ],
+)
+def test_each_listed_case_resolves_synchronously(flag, value):
+    assert synchronous_reason(**{**ELIGIBLE, flag: value}) is not None
+
+
+def _runner_view(**overrides: Any) -> Any:
+    view = dict(
+        pcp_manager=None,
+        adaptive_verification=None,
+        pp_handler=None,
+        scheduler_config=SimpleNamespace(async_scheduling=True),
+    )
+    return SimpleNamespace(**{**view, **overrides})
+
+
+@pytest.mark.parametrize(
+    "runner, structured, deferred",
+    [
+        (_runner_view(), False, True),
+        (_runner_view(pcp_manager=object()), False, False),
+        (_runner_view(adaptive_verification=object()), False, False),
+        (_runner_view(pp_handler=object()), False, False),
+        (_runner_view(), True, False),
+        (
+            _runner_view(scheduler_config=SimpleNamespace(async_scheduling=False)),
+            False,
+            False,
+        ),
+    ],
+)
+def test_select_step_reads_the_runner(
+    make_speculator, scripted_server, runner, structured, deferred
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    strategy = install_deferred_resolution(speculator)
+    assert strategy is not None
+    strategy.warmed = True
+    batch = _batch(["a", "b"], [3, 5])
+    batch.has_structured_output_reqs = structured
+    strategy.select_step(runner, batch)
+    _propose(speculator, batch)
+    assert strategy.pending is deferred
+    strategy.consume(lambda *args: None)
+
+
+def test_switch_zero_keeps_the_synchronous_path(
+    make_speculator, scripted_server, monkeypatch
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    monkeypatch.setenv("VLLM_K3_DRAFT_DEFERRED_RESOLVE", "0")
+    assert install_deferred_resolution(speculator) is None
+    assert type(speculator.resolution) is ImmediateResolution
+
+
+@pytest.mark.parametrize("flag", ["dummy_run", "is_profile"])
+def test_dummy_and_profile_runs_never_defer(make_speculator, scripted_server, flag):
+    speculator, _ = make_speculator(scripted_server.address)
+    strategy = _deferred(speculator)
+    strategy.select_step(_runner_view(), _batch(["a"], [3]))
+    drafts = _propose(speculator, _batch(["a"], [3]), **{flag: True})
+    assert not strategy.pending and (drafts == -1).all()
+
+
+# ------------------------------------------------------------ reply gate
+
+
+class RecordingGate:
+    """Stands in for ``StreamGate``: records park/release."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def park(self, stream: Any = None) -> None:
+        self.events.append("park")
+
+    def release(self) -> None:
+        self.events.append("release")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_parked_reply_is_released_even_when_it_fails(fails):
+    gate = RecordingGate()
+    reply = stream_gate.ReplyGate(gate)
+    staged: list[int] = []
+    reply.wait()
+    assert gate.events == ["park"]
+
+    def fill() -> None:
+        if fails:
+            raise ConnectionError("gone")
+        staged.append(7)
+
+    reply.deliver(fill, lambda exc: staged.append(-1))
+    assert gate.events == ["park", "release"]
+    assert staged == ([-1] if fails else [7])
+
+
+def test_a_reply_delivered_before_the_wait_parks_nothing():
+    gate = RecordingGate()
+    reply = stream_gate.ReplyGate(gate)
+    reply.deliver(lambda: None, lambda exc: None)
+    reply.wait()
+    assert gate.events == []
+    reply.reset()
+    reply.wait()
+    assert gate.events == ["park"]
+
+
+# ------------------------------------------------------------ helpers
+
+
+def _batch(req_ids: list[str], slots: list[int], start: int = 10) -> Any:
+    n, per = len(req_ids), K + 1
+    positions = torch.cat(
+        [torch.arange(start + 10 * i, start + 10 * i + per) for i in range(n)]
+    )
+    return make_input_batch(
+        req_ids,
+        np.array(slots),
+        np.arange(n + 1, dtype=np.int32) * per,
+        positions,
+        n * per,
+    )
+
+
+def _propose(speculator: Any, batch: Any, **kwargs: Any) -> torch.Tensor:
+    n = batch.num_reqs
+    rows = batch.num_tokens
+    gen = torch.Generator().manual_seed(int(batch.positions[0]))
+    aux = [torch.randn(rows, HIDDEN, generator=gen) for _ in range(NUM_AUX)]
+    return speculator.propose(
+        batch,
+        {},
+        {},
+        aux[0],
+        aux,
+        torch.ones(n, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32),
+        torch.arange(8, dtype=torch.int64).reshape(8, 1) + 40,
+        torch.zeros(1, 8, dtype=torch.int32),
+        torch.zeros(8),
+        torch.zeros(8, dtype=torch.int64),
+        num_speculative_tokens=K,
+        **kwargs,
+    )
+
+
+def _deferred(speculator: Any) -> DeferredResolution:
+    strategy = install_deferred_resolution(speculator)
+    assert strategy is not None
+    strategy.warmed = True
+    return strategy
+
+
+class DraftTable:
+    """``req_states.draft_tokens`` that records every store with the owner of
+    each slot at that moment."""
+
+    def __init__(self, owners: dict[int, str], log: list[tuple]) -> None:
+        self.data = torch.full((8, K), -9, dtype=torch.int64)
+        self.owners = owners
+        self.log = log
+
+    def __setitem__(self, idx: torch.Tensor, value: torch.Tensor) -> None:
+        slots = idx.tolist()
+        self.log.append(("store", [self.owners.get(s) for s in slots], slots))
+        self.data[idx] = value
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.data[idx]
+
+
+class FakeRequestStates:
+    """The slots of ``RequestState`` (its real buffers need CUDA)."""
+
+    def __init__(self, log: list[tuple]) -> None:
+        self.log = log
+        self.req_id_to_index: dict[str, int] = {}
+        self.owners: dict[int, str] = {}
+        self.draft_tokens = DraftTable(self.owners, log)
+        self.num_computed_tokens_np = np.zeros(8, dtype=np.int32)
+        self.prefill_len = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
+        self.num_computed_prefill_tokens = np.zeros(8, dtype=np.int32)
+
+    def add_request(self, req_id: str, **kwargs: Any) -> None:
+        slot = min(set(range(8)) - set(self.owners))
+        self.req_id_to_index[req_id] = slot
+        self.owners[slot] = req_id
+        self.log.append(("add", req_id, slot))
+
+    def remove_request(self, req_id: str) -> int | None:
+        slot = self.req_id_to_index.pop(req_id, None)
+        if slot is not None:
+            del self.owners[slot]
+            self.log.append(("remove", req_id, slot))
+        return slot
+
+    def apply_staged_writes(self) -> None:
+        pass
+
+
+class RecordingHandler:
+    def __init__(self, log: list[tuple]) -> None:
+        self.log = log
+
+    def set_draft_tokens(self, input_batch: Any, draft_tokens: torch.Tensor) -> None:
+        self.log.append(("output_copy", list(input_batch.req_ids)))
+
+
+class Inert:
+    """Any method call is accepted and ignored (runner parts not under test)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _runner(speculator: Any, log: list[tuple]) -> GPUModelRunner:
+    """A ``GPUModelRunner`` (built without ``__init__``: CUDA) holding the
+    parts that ``execute_model``'s request-state updates and
+    ``store_draft_tokens`` touch."""
+    runner = GPUModelRunner.__new__(GPUModelRunner)
+    parts: dict[str, Any] = dict(
+        speculator=speculator,
+        k3_deferred=speculator.resolution,
+        req_states=FakeRequestStates(log),
+        draft_tokens_handler=RecordingHandler(log),
+        num_speculative_steps=K,
+        adaptive_verification=None,
+        pp_handler=None,
+        pooling_runner=None,
+        encoder_cache=None,
+        prompt_logprobs_worker=Inert(),
+        model_state=Inert(),
+        block_tables=Inert(),
+        lora_state=Inert(),
+        sampler=Inert(),
+        kv_connector=Inert(),
+        kv_block_zeroer=None,
+        aux_output_connector=None,
+        is_last_pp_rank=True,
+    )
+    runner.__dict__.update(parts)
+    runner._merge_ec_connector_no_forward = lambda *args: None
+    return runner
+
+
+def _scheduler_output(finished: set[str], new: list[str]) -> SchedulerOutput:
+    output = SchedulerOutput.make_empty()
+    output.finished_req_ids = finished
+    output.scheduled_new_reqs = [
+        SimpleNamespace(
+            req_id=rid,
+            prefill_token_ids=[1, 2, 3],
+            prompt_len=3,
+            sampling_params=None,
+            num_computed_tokens=0,
+            block_ids=(),
+            lora_request=None,
+            mm_features=[],
+        )
+        for rid in new
+    ]
+    return output
+
+
+def _sample_tokens_tail(runner: GPUModelRunner, batch: Any) -> None:
+    """What ``sample_tokens`` does around ``propose`` for a remote
+    speculator: select, propose, store unless pending."""
+    deferred = runner.k3_deferred
+    assert deferred is not None
+    deferred.select_step(_runner_view(), batch)
+    drafts = _propose(runner.speculator, batch)
+    if not deferred.pending:
+        runner.store_draft_tokens(batch, drafts, K)
+
+
+# ------------------------------------------------------------ ordering
+
+
+def test_pending_reply_is_stored_before_finish_free_and_add(
+    make_speculator, scripted_server
+):
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    _deferred(speculator)
+    runner = _runner(speculator, log)
+    runner.execute_model(_scheduler_output(set(), ["old", "keep"]))
+    slots = [runner.req_states.req_id_to_index[r] for r in ("old", "keep")]
+    batch = _batch(["old", "keep"], slots)
+    _sample_tokens_tail(runner, batch)
+    assert runner.k3_deferred.pending
+    assert not [e for e in log if e[0] in ("store", "output_copy")]
+
+    # "old" finishes and "new" takes its slot in the same step.
+    runner.execute_model(_scheduler_output({"old"}, ["new"]))
+    events = [e for e in log if e[0] != "add" or e[1] == "new"]
+    kinds = [e[0] for e in events]
+    assert kinds == ["store", "output_copy", "remove", "add"]
+    store, _, remove, add = events
+    assert store[1] == ["old", "keep"]  # every draft landed in its own slot
+    assert remove[1:] == ("old", slots[0]) and add[1:] == ("new", slots[0])
+    assert (runner.req_states.draft_tokens.data[slots] == 5).all()
+
+
+def test_a_reused_slot_never_receives_the_old_draft(make_speculator, scripted_server):
+    """Over several steps with churn, every store lands only in slots owned
+    by the requests the draft was proposed for."""
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    _deferred(speculator)
+    runner = _runner(speculator, log)
+    live = ["r0", "r1"]
+    runner.execute_model(_scheduler_output(set(), live))
+    for step in range(1, 5):
+        slots = [runner.req_states.req_id_to_index[r] for r in live]
+        _sample_tokens_tail(runner, _batch(live, slots, start=10 * step))
+        gone, fresh = live[0], f"r{step + 1}"
+        runner.execute_model(_scheduler_output({gone}, [fresh]))
+        live = [*live[1:], fresh]
+    for event in log:
+        if event[0] == "store":
+            assert None not in event[1]
+    stores = [e for e in log if e[0] == "store"]
+    assert [e[1] for e in stores] == [
+        ["r0", "r1"],
+        ["r1", "r2"],
+        ["r2", "r3"],
+        ["r3", "r4"],
+    ]
+
+
+def test_failed_reply_yields_no_draft_and_disables_the_requests(
+    make_speculator, scripted_server, monkeypatch
+):
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    _deferred(speculator)
+    runner = _runner(speculator, log)
+    runner.execute_model(_scheduler_output(set(), ["a", "b"]))
+    slots = [runner.req_states.req_id_to_index[r] for r in ("a", "b")]
+    _sample_tokens_tail(runner, _batch(["a", "b"], slots))
+    runner.execute_model(_scheduler_output(set(), []))
+    assert (runner.req_states.draft_tokens.data[slots] == 5).all()
+    assert not any(s.stale for s in speculator.plan.retained.values())
+
+    def broken(step: Any) -> None:
+        raise RuntimeError("reply thread crashed")
+
+    monkeypatch.setattr(speculator, "exchange", broken)
+    _sample_tokens_tail(runner, _batch(["a", "b"], slots, start=20))
+    step = threading.Thread(
+        target=runner.execute_model, args=(_scheduler_output(set(), []),), daemon=True
+    )
+    step.start()
+    step.join(30)
+    assert not step.is_alive(), "a failed reply did not release the gate"
+    assert (runner.req_states.draft_tokens.data[slots] == -1).all()
+    assert log[-1] == ("output_copy", ["a", "b"])
+    assert all(speculator.plan.retained[r].stale for r in ("a", "b"))
+
+
+def test_staging_slots_alternate_and_wait_for_their_reply(
+    make_speculator, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    strategy = _deferred(speculator)
+    used = []
+    for step in range(4):
+        strategy.select_step(_runner_view(), _batch(["a"], [3]))
+        _propose(speculator, _batch(["a"], [3], start=10 + 10 * step))
+        assert strategy._pending is not None and strategy._pending.slot is not None
+        used.append(id(strategy._pending.slot.tokens))
+        strategy.consume(lambda *args: None)
+    assert used[0] == used[2] != used[1] == used[3]
+    with pytest.raises(AssertionError, match="not consumed"):
+        strategy.select_step(_runner_view(), _batch(["a"], [3]))
+        _propose(speculator, _batch(["a"], [3], start=60))
+        _propose(speculator, _batch(["a"], [3], start=70))
+    strategy.consume(lambda *args: None)
+
+
+# ------------------------------------------------------------ numerics
+
+
+@pytest.fixture(scope="module")
+def reference_server(tmp_path_factory: pytest.TempPathFactory):
+    server = DraftServerProcess(tmp_path_factory.mktemp("l3draft")).start()
+    yield server
+    server.stop()
+
+
+def test_deferred_and_immediate_give_identical_draft_state(
+    make_speculator, reference_server
+):
+    """Two verifiers drive the same steps (different request ids) through the
+    reference draft server: one immediate, one deferred."""
+    immediate, _ = make_speculator(reference_server.address)
+    deferred_spec, _ = make_speculator(reference_server.address)
+    strategy = _deferred(deferred_spec)
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    for step in range(4):
+        start = 10 + (K + 1) * step
+        want.append(_propose(immediate, _batch(["i0", "i1"], [3, 5], start)).clone())
+        strategy.select_step(_runner_view(), _batch(["d0", "d1"], [3, 5]))
+        _propose(deferred_spec, _batch(["d0", "d1"], [3, 5], start))
+        assert strategy.pending
+        strategy.consume(lambda batch, drafts, k: got.append(drafts.clone()))
+    assert all((w >= 0).all() for w in want), "the reference server drafted nothing"
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
