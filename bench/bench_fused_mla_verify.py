@@ -155,7 +155,7 @@ def run_case(
     up_o, _ = unfused()
     unfused_ms = _time_ms(_graphed(unfused))
     default_splits = ops.choose_num_kv_splits(
-        work.batch, heads, query_len, work.context, sm_count, work.kv_dtype
+        work.batch, heads, query_len, work.context, sm_count
     )
     o = torch.empty(rows, heads, 512, dtype=BF16, device="cuda")
     lse = torch.empty(rows, heads, device="cuda")
@@ -185,7 +185,7 @@ def run_case(
                 config=config,
             )
 
-        used = config or ops.default_config(query_len, heads, work.kv_dtype)
+        used = config or ops.default_config(query_len, heads)
         try:
             fused()
         except triton.runtime.errors.OutOfResources as exc:
@@ -232,13 +232,11 @@ def _cases() -> list[tuple[int, int, torch.dtype, list[tuple[int, int]]]]:
     return cases
 
 
-def _sweep_variants(
-    ops, query_len: int, heads: int, kv_dtype: torch.dtype
-) -> list[tuple[Any, int]]:
+def _sweep_variants(ops, query_len: int, heads: int) -> list[tuple[Any, int]]:
     """Tilings (BLOCK_N, stages) at the default split count, and the default
     tiling at twice the splits."""
-    base = ops.default_config(query_len, heads, kv_dtype)
-    tilings = [(16, 3), (16, 4), (32, 2), (32, 3)]
+    base = ops.default_config(query_len, heads)
+    tilings = [(32, 2), (32, 3), (32, 4), (64, 2)]
     variants: list[tuple[Any, int]] = [
         (ops.VerifyKernelConfig(base.heads_per_tile, block_n, 8, stages), 1)
         for block_n, stages in tilings
@@ -316,7 +314,7 @@ def main() -> None:
             target = batch == 8 and context >= 32 * KiB and query_len == 4
             variants: list[tuple[Any, int]] = [(None, 1)]
             if args.sweep and target:
-                variants += _sweep_variants(ops, query_len, heads, kv_dtype)
+                variants += _sweep_variants(ops, query_len, heads)
             try:
                 rows = run_case(
                     ops, upstream, work, query_len, heads, sm_count, variants

@@ -130,19 +130,18 @@ def test_local_kv_len_counts_the_tokens_a_rank_owns(fused_verify, dcp_size, inte
 def test_default_config_covers_heads_within_the_row_budget(
     fused_verify, query_len, heads
 ):
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        config = fused_verify.default_config(query_len, heads, kv_dtype)
-        tiles = fused_verify.num_head_tiles(heads, config)
-        assert tiles * config.heads_per_tile >= heads
-        assert (tiles - 1) * config.heads_per_tile < heads
-        assert query_len * config.heads_per_tile <= 64
+    config = fused_verify.default_config(query_len, heads)
+    tiles = fused_verify.num_head_tiles(heads, config)
+    assert tiles * config.heads_per_tile >= heads
+    assert (tiles - 1) * config.heads_per_tile < heads
+    assert query_len * config.heads_per_tile <= 64
 
 
 @pytest.mark.parametrize("num_reqs", [1, 2, 8, 32, 256])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_split_choice_fills_at_most_one_wave(fused_verify, num_reqs, heads):
     splits = fused_verify.choose_num_kv_splits(num_reqs, heads, 4, 131_072, H200_SMS)
-    config = fused_verify.default_config(4, heads, torch.bfloat16)
+    config = fused_verify.default_config(4, heads)
     programs = num_reqs * fused_verify.num_head_tiles(heads, config)
     assert splits >= 1
     assert programs * splits <= max(programs, H200_SMS)

@@ -77,7 +77,7 @@ def _run(
     """One kernel call on NaN-poisoned outputs."""
     rows, heads = q.shape[0], q.shape[1]
     splits = num_kv_splits or ops.choose_num_kv_splits(
-        len(seq_lens), heads, query_len, max(seq_lens), _sm_count(), cache.dtype
+        len(seq_lens), heads, query_len, max(seq_lens), _sm_count()
     )
     o = torch.full((rows, heads, LATENT), float("nan"), dtype=BF16, device=DEVICE)
     lse = torch.full((rows, heads), float("nan"), device=DEVICE)
@@ -349,13 +349,18 @@ def test_dcp_ranks_merged_by_lse_equal_the_single_rank_result(
     _assert_matches(merged_o, merged_lse, *_reference(q, stored, query_len))
 
 
-@pytest.mark.parametrize(("kv_dtype", "o_norm_tol"), [(BF16, 1e-2), (FP8, 2e-2)])
+@pytest.mark.parametrize(
+    ("kv_dtype", "o_norm_tol", "lse_atol"), [(BF16, 1e-2, 1e-3), (FP8, 2e-2, 2e-2)]
+)
 def test_matches_upstream_unfused_decode(
-    fused_verify, upstream_decode, kv_dtype, o_norm_tol
+    fused_verify, upstream_decode, kv_dtype, o_norm_tol, lse_atol
 ):
-    """Same inputs through upstream's flattened path. Upstream rounds the
-    dequantised fp8 KV to bf16 and returns its LSE in bf16, hence the looser
-    output tolerance for fp8 and an LSE tolerance of one bf16 step."""
+    """Same inputs through upstream's flattened path. Upstream returns its LSE
+    in bf16 (rtol of one bf16 step) and, for fp8, rounds the dequantised KV to
+    bf16 before the products: a relative error of up to 2^-9 per element,
+    about 2e-3 per score here (sm_scale * 2^-9/sqrt(3) * sqrt(576)), hence
+    the looser output tolerance and an LSE tolerance of ten times that. Seen
+    on the H200: at most 5.6e-3."""
     query_len, heads, page_size = 4, 16, 64
     seq_lens = [query_len, 777, 12_000]
     stored = [random_kv(n, kv_dtype, K_SCALE, DEVICE) for n in seq_lens]
@@ -376,7 +381,7 @@ def test_matches_upstream_unfused_decode(
     up_o, up_lse = unfused()
     err = ((o.double() - up_o.double()).norm() / up_o.double().norm()).item()
     assert err < o_norm_tol, f"relative difference {err:.3e}"
-    torch.testing.assert_close(lse, up_lse.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(lse, up_lse.float(), rtol=2**-7, atol=lse_atol)
 
 
 def test_cuda_graph_replay_follows_new_lengths(fused_verify):

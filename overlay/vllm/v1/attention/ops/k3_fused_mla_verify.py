@@ -83,25 +83,20 @@ def local_kv_len(
     return (global_len // span) * cp_interleave + min(max(rest, 0), cp_interleave)
 
 
-def default_config(
-    query_len: int, num_heads: int, kv_dtype: torch.dtype
-) -> VerifyKernelConfig:
-    """Tiling used when the caller passes none (tuned on H200, sm_90).
+def default_config(query_len: int, num_heads: int) -> VerifyKernelConfig:
+    """Tiling used when the caller passes none (measured on H200, sm_90).
 
-    With 64 folded rows the query (72 KiB) and two buffered 32-token tiles
-    fill the shared memory; fewer rows leave room for 64-token tiles.
+    64 folded rows: 8 warps (the 64 x 512 fp32 accumulator is 128 registers a
+    thread) and 64-token tiles, two buffers (query 72 KiB + 2 x 72 KiB of
+    shared memory); this beat 16- and 32-token tiles with deeper buffering
+    for bf16 and fp8. Fewer rows: 4 warps, 32-token tiles, three stages.
     """
     per_tile = min(num_heads, max(1, _MAX_BLOCK_M // query_len))
     num_tiles = triton.cdiv(num_heads, per_tile)
     per_tile = triton.cdiv(num_heads, num_tiles)
-    full = _block_m(query_len, per_tile) >= _MAX_BLOCK_M
-    fp8 = kv_dtype == torch.float8_e4m3fn
-    return VerifyKernelConfig(
-        heads_per_tile=per_tile,
-        block_n=32 if full else 64,
-        num_warps=8,
-        num_stages=3 if full and fp8 else 2,
-    )
+    if _block_m(query_len, per_tile) >= _MAX_BLOCK_M:
+        return VerifyKernelConfig(per_tile, block_n=64, num_warps=8, num_stages=2)
+    return VerifyKernelConfig(per_tile, block_n=32, num_warps=4, num_stages=3)
 
 
 def num_head_tiles(num_heads: int, config: VerifyKernelConfig) -> int:
@@ -115,14 +110,13 @@ def choose_num_kv_splits(
     query_len: int,
     max_seq_len: int,
     sm_count: int,
-    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
     """KV splits that fill ``sm_count`` multiprocessors in about one wave.
 
     Pass capacities (largest batch, longest context the model allows) when the
     call is captured in a CUDA graph: the result must not follow the data.
     """
-    config = default_config(query_len, num_heads, kv_dtype)
+    config = default_config(query_len, num_heads)
     programs = num_reqs * num_head_tiles(num_heads, config)
     by_sms = max(1, sm_count // programs)
     by_len = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
@@ -137,67 +131,6 @@ def workspace_numel(num_rows: int, num_heads: int, num_kv_splits: int) -> int:
 
 def _block_m(query_len: int, heads_per_tile: int) -> int:
     return max(_MIN_BLOCK_M, triton.next_power_of_2(query_len * heads_per_tile))
-
-
-@triton.jit
-def _load_rows(
-    kv_ptr, page, offs_n, start, end, stride_kv_page, stride_kv_token, offs_d, PAGE_SIZE
-):
-    tok = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
-    inside = (offs_n >= start) & (offs_n < end)
-    return tl.load(
-        kv_ptr + tok[:, None] + offs_d[None, :], mask=inside[:, None], other=0.0
-    )
-
-
-@triton.jit
-def _qk_tile(
-    q_lat,
-    q_rope,
-    qk_scale,
-    kv_ptr,
-    page,
-    offs_n,
-    start,
-    end,
-    stride_kv_page,
-    stride_kv_token,
-    offs_l,
-    offs_r,
-    PAGE_SIZE,
-    LATENT,
-    IS_FP8,
-):
-    k_lat = _load_rows(
-        kv_ptr,
-        page,
-        offs_n,
-        start,
-        end,
-        stride_kv_page,
-        stride_kv_token,
-        offs_l,
-        PAGE_SIZE,
-    )
-    k_rope = _load_rows(
-        kv_ptr + LATENT,
-        page,
-        offs_n,
-        start,
-        end,
-        stride_kv_page,
-        stride_kv_token,
-        offs_r,
-        PAGE_SIZE,
-    )
-    if IS_FP8:
-        k_lat = k_lat.to(q_lat.dtype)
-        k_rope = k_rope.to(q_lat.dtype)
-    # Scaled before the sum so that Triton does not fold the sum into one
-    # product accumulating the other: a dot feeding a dot makes it give all
-    # warps to M, and with M = 64 the second warpgroup computes it again.
-    s_lat = tl.dot(q_lat, tl.trans(k_lat)) * qk_scale
-    return s_lat + tl.dot(q_rope, tl.trans(k_rope)) * qk_scale
 
 
 @triton.jit
@@ -282,63 +215,47 @@ def _verify_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    # Scores run one tile ahead: step i computes the scores of tile i and
-    # applies the softmax and P.V to tile i - 1 (the first step has no tile
-    # before it, the last scores a tile past the end; both fully masked). The
-    # score product then feeds only the loop-carried value, not the P.V
-    # product, so Triton splits its columns over both warpgroups; fed
-    # straight into P.V it would give each warpgroup all M = 64 rows and
-    # compute every score tile twice. The price is a second load of the
-    # latent part of each tile one step later, served by L2.
-    s_next = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    offs_0 = start + tl.arange(0, BLOCK_N)
-    page_k = tl.load(bt_row + offs_0 // PAGE_SIZE, mask=offs_0 < end, other=0)
-    page_v = page_k
-    for n0 in tl.range(start - BLOCK_N, end, BLOCK_N):
+    # The page ids of the next tile are loaded one step ahead: with the KV load
+    # no longer behind a load of the same iteration, the software pipeliner
+    # keeps num_stages - 1 KV tiles in flight instead of one.
+    offs_next = start + tl.arange(0, BLOCK_N)
+    page_next = tl.load(bt_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0)
+    for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        s = s_next
-        v = _load_rows(
-            kv_ptr,
-            page_v,
-            offs_n,
-            start,
-            end,
-            stride_kv_page,
-            stride_kv_token,
-            offs_l,
-            PAGE_SIZE,
+        in_split = offs_n < end
+        page = page_next
+        offs_next = offs_n + BLOCK_N
+        page_next = tl.load(
+            bt_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0
+        )
+        tok = (
+            page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+        )
+        k_lat = tl.load(
+            kv_ptr + tok[:, None] + offs_l[None, :], mask=in_split[:, None], other=0.0
+        )
+        k_rope = tl.load(
+            kv_ptr + tok[:, None] + LATENT + offs_r[None, :],
+            mask=in_split[:, None],
+            other=0.0,
         )
         if IS_FP8:
-            v = v.to(q_lat.dtype)
-        offs_k = offs_n + BLOCK_N
-        page_v = page_k
-        s_next = _qk_tile(
-            q_lat,
-            q_rope,
-            qk_scale,
-            kv_ptr,
-            page_k,
-            offs_k,
-            start,
-            end,
-            stride_kv_page,
-            stride_kv_token,
-            offs_l,
-            offs_r,
-            PAGE_SIZE,
-            LATENT,
-            IS_FP8,
-        )
-        offs_kk = offs_k + BLOCK_N
-        page_k = tl.load(bt_row + offs_kk // PAGE_SIZE, mask=offs_kk < end, other=0)
-        visible = (offs_n[None, :] >= start) & (offs_n[None, :] < local[:, None])
-        s = tl.where(visible, s, float("-inf"))
+            k_lat = k_lat.to(q_lat.dtype)
+            k_rope = k_rope.to(q_lat.dtype)
+        # Triton gives all 8 warps to M for a product that feeds another, so
+        # with M = 64 both warpgroups compute this score tile; scoring one tile
+        # ahead avoids that but measured slower (docs/p5-fused-verify-notes.md).
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        s = tl.dot(q_rope, tl.trans(k_rope), s)
+        s = tl.where(offs_n[None, :] < local[:, None], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 instead so
+        # exp2 gives 0 rather than NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])
         m_i = m_new
 
     seen = l_i > 0.0
@@ -456,7 +373,7 @@ def fused_mla_verify_decode(
     if num_rows == 0:
         return
     is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    cfg = config or default_config(query_len, num_heads, kv_cache.dtype)
+    cfg = config or default_config(query_len, num_heads)
     if cfg.heads_per_tile < 1 or query_len * cfg.heads_per_tile > _MAX_BLOCK_M:
         raise ValueError(
             f"config.heads_per_tile={cfg.heads_per_tile} must be >= 1 and fold "
