@@ -1,0 +1,271 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Deferred resolution (layer 3) on one GPU: step period synchronous vs
+deferred, and the stream gate's overhead. Self-contained: torch, pyzmq and
+``vllm/k3_draft/stream_gate.py`` loaded by file path (no vllm needed).
+
+A synthetic step has GPU work ``T`` (``torch.cuda._sleep``), host preparation
+``H`` (a host spin) and a draft round trip ``L`` to a ZeroMQ REP server in
+its own process that answers after ``L`` ms with K token ids:
+
+* synchronous: prep H, copy the draft in, GPU work T, wait for the step's
+  output, then the round trip L on the host: period ~ H + T + L;
+* deferred: after the step's output, the round trip runs on a reply thread
+  that fills pinned staging and releases the gate; the host prepares the
+  next step at once, parks the stream behind the gate, then enqueues the
+  staging copy and the GPU work: period ~ T + max(H, L).
+
+Reported per (T, H, L): period p50 of both (ms), the time saved and the
+hidden fraction ``saved / min(L, H)`` (1.0: all overlappable time hidden);
+and the gate's release-to-kernel-done p50/p99 against an ungated launch (us).
+
+Usage::
+
+    python bench/bench_deferred_resolve.py --steps 60 --out deferred.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+import types
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+
+import torch
+import zmq
+
+GATE_PATH = Path(__file__).resolve().parents[1] / "overlay/vllm/k3_draft/stream_gate.py"
+K = 3
+NUM_REQS = 8
+
+
+def load_stream_gate(path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("k3_stream_gate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def delay_server(address: str, ready: EventType) -> None:
+    """REP loop: a request is the delay in ms; the reply K int64 ids per
+    request, sent after that delay."""
+    socket = zmq.Context().socket(zmq.REP)
+    socket.bind(address)
+    ready.set()
+    reply = torch.arange(NUM_REQS * K, dtype=torch.int64).numpy().tobytes()
+    while True:
+        message = socket.recv()
+        if message == b"stop":
+            socket.send(b"")
+            return
+        spin(float(message))
+        socket.send(reply)
+
+
+def spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+class Step:
+    """The synthetic verifier step and its draft round trip."""
+
+    def __init__(
+        self, address: str, t_ms: float, h_ms: float, l_ms: float, cycles_per_ms: float
+    ) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.REQ)
+        self.socket.connect(address)
+        self.t_cycles = int(t_ms * cycles_per_ms)
+        self.h_ms, self.l_ms = h_ms, l_ms
+        self.staging = torch.zeros(NUM_REQS, K, dtype=torch.int64, pin_memory=True)
+        self.drafts = torch.zeros(NUM_REQS, K, dtype=torch.int64, device="cuda")
+        self.output = torch.cuda.Event(blocking=True)
+
+    def round_trip(self) -> None:
+        self.socket.send(str(self.l_ms).encode())
+        reply = self.socket.recv()
+        self.staging.copy_(
+            torch.frombuffer(bytearray(reply), dtype=torch.int64).view(NUM_REQS, K)
+        )
+
+    def gpu_work(self) -> None:
+        self.drafts.copy_(self.staging, non_blocking=True)
+        torch.cuda._sleep(self.t_cycles)
+        self.output.record()
+
+    def synchronous(self, steps: int) -> list[float]:
+        periods = []
+        last = time.perf_counter()
+        for _ in range(steps):
+            spin(self.h_ms)
+            self.gpu_work()
+            self.output.synchronize()
+            self.round_trip()
+            now = time.perf_counter()
+            periods.append(now - last)
+            last = now
+        return periods
+
+    def deferred(self, gate_module: types.ModuleType, steps: int) -> list[float]:
+        replies = [gate_module.ReplyGate(gate_module.StreamGate()) for _ in range(2)]
+        thread: threading.Thread | None = None
+        periods = []
+        last = time.perf_counter()
+        for i in range(steps):
+            spin(self.h_ms)
+            if thread is not None:
+                replies[(i - 1) % 2].wait()
+            self.gpu_work()
+            self.output.synchronize()
+            if thread is not None:
+                thread.join()
+            reply = replies[i % 2]
+            reply.reset()
+            thread = threading.Thread(
+                target=reply.deliver,
+                args=(self.round_trip, lambda exc: self.staging.fill_(-1)),
+            )
+            thread.start()
+            now = time.perf_counter()
+            periods.append(now - last)
+            last = now
+        assert thread is not None
+        replies[(steps - 1) % 2].wait()
+        thread.join()
+        torch.cuda.synchronize()
+        return periods
+
+
+def calibrate_sleep() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def gate_overhead(gate_module: types.ModuleType, iters: int) -> dict[str, float]:
+    """Release-to-kernel-done of a gated tiny kernel vs an ungated launch."""
+    flag = torch.zeros(1, device="cuda")
+    gate = gate_module.StreamGate()
+    gated, ungated = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        done = torch.cuda.Event(blocking=False)
+        gate.park()
+        flag.add_(1)
+        done.record()
+        start = time.perf_counter()
+        gate.release()
+        while not done.query():
+            pass
+        gated.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        flag.add_(1)
+        done.record()
+        while not done.query():
+            pass
+        ungated.append(time.perf_counter() - start)
+    return {
+        "gated_p50_us": statistics.median(gated) * 1e6,
+        "gated_p99_us": sorted(gated)[int(0.99 * (iters - 1))] * 1e6,
+        "ungated_p50_us": statistics.median(ungated) * 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--gate-iters", type=int, default=2000)
+    parser.add_argument("--t-ms", type=float, nargs="+", default=[2.0, 10.0])
+    parser.add_argument("--h-ms", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--l-ms", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--gate", type=Path, default=GATE_PATH)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_deferred_resolve needs a CUDA GPU")
+    gate_module = load_stream_gate(args.gate)
+    cycles_per_ms = calibrate_sleep()
+    warm = torch.zeros(NUM_REQS, K, dtype=torch.int64, pin_memory=True)
+    # Every kernel that runs behind a gate is loaded before the first park.
+    gate_module.warm(
+        lambda: torch.cuda._sleep(1000),
+        lambda: torch.zeros(1, device="cuda").add_(1),
+        lambda: torch.empty_like(warm, device="cuda").copy_(warm, non_blocking=True),
+    )
+
+    address = "ipc:///tmp/k3_bench_deferred_resolve.ipc"
+    ready = mp.get_context("spawn").Event()
+    server = mp.get_context("spawn").Process(
+        target=delay_server, args=(address, ready), daemon=True
+    )
+    server.start()
+    ready.wait(30)
+
+    rows = []
+    for t_ms in args.t_ms:
+        for h_ms in args.h_ms:
+            for l_ms in args.l_ms:
+                step = Step(address, t_ms, h_ms, l_ms, cycles_per_ms)
+                step.synchronous(5)
+                sync = statistics.median(step.synchronous(args.steps)[1:]) * 1e3
+                deferred = (
+                    statistics.median(step.deferred(gate_module, args.steps)[2:]) * 1e3
+                )
+                saved = sync - deferred
+                rows.append(
+                    {
+                        "T_ms": t_ms,
+                        "H_ms": h_ms,
+                        "L_ms": l_ms,
+                        "sync_period_ms": sync,
+                        "deferred_period_ms": deferred,
+                        "saved_ms": saved,
+                        "hidden_fraction": saved / min(l_ms, h_ms),
+                    }
+                )
+                step.socket.close(linger=0)
+                print(
+                    f"T {t_ms:5.1f}  H {h_ms:4.1f}  L {l_ms:4.1f}  "
+                    f"sync {sync:7.3f} ms  deferred {deferred:7.3f} ms  "
+                    f"hidden {saved / min(l_ms, h_ms):5.2f}",
+                    flush=True,
+                )
+    overhead = gate_overhead(gate_module, args.gate_iters)
+    print(
+        "gate: release-to-done p50 {gated_p50_us:.1f} us (p99 {gated_p99_us:.1f}), "
+        "ungated launch p50 {ungated_p50_us:.1f} us".format(**overhead)
+    )
+    stopper = zmq.Context.instance().socket(zmq.REQ)
+    stopper.connect(address)
+    stopper.send(b"stop")
+    stopper.recv()
+    server.join(10)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "grid": rows,
+        "gate": overhead,
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
