@@ -103,6 +103,7 @@ def test_positions_before_the_valid_start_are_ignored():
     context = rows(5, 9)
     a = engine.propose(batch([0], [15], [20], [5], context))
     b = fresh.propose(batch([0], [15], [20], [5], context))
+    assert a.logits is not None and b.logits is not None
     assert torch.equal(a.logits, b.logits)
 
 
@@ -128,6 +129,7 @@ def test_memory_plan_counts_kv_of_every_block():
 def test_plan_context_keeps_only_rows_the_cache_can_hold():
     context = batch([1], [0], [100], [100], rows(100, 11))
     plan = plan_context(context, window=32, budget=64)
+    assert plan.keep is not None and plan.kv_select is not None
     assert plan.keep.tolist() == list(range(36, 100))
     assert plan.kv_select.tolist() == list(range(32, 64))
 

@@ -1,16 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A small DFlash-shaped draft in plain torch (CPU and any CUDA GPU).
+"""Qwen3-style DFlash/DSpark drafts in plain torch (CPU and any CUDA GPU).
 
-Same interface and data flow as the production engine: the target's aux
-context rows are combined (``fc``) into the draft's hidden size, cached, and
-turned into per-layer K/V in the request's slot blocks; the query block
-``[anchor, mask x K]`` (DFlash, K+1 rows) or ``[anchor, mask x (K-1)]``
-(DSpark, K rows, followed by a sequential low-rank Markov head) attends
-non-causally to the last ``window`` context positions and to itself. Weights
-are random but deterministic given the seed. Float32 on CPU, bf16 on CUDA.
-With CUDA graphs, the query pass of every (batch bucket, depth) shape is
-captured; context K/V is always written eagerly.
+``TorchDraftEngine`` runs a ``DraftShape``: the target's aux context rows are
+combined (``fc``) into the draft's hidden size, cached, and turned into
+per-layer K/V (``hidden_norm``, K/V projections, K norm, RoPE) in the
+request's slot blocks; the query block ``[anchor, mask x K]`` (DFlash, K+1
+rows, the masks predict) or ``[anchor, mask x (K-1)]`` (DSpark, K rows, each
+predicting the next token, then the sequential low-rank Markov head) attends
+non-causally to the last ``window`` context positions and to itself. Float32
+on CPU, bf16 on CUDA. With CUDA graphs, the query pass of every (batch
+bucket, depth) shape is captured (batches padded to the bucket with rows that
+attend to no context); context K/V is always written eagerly.
+
+``ReferenceEngine`` is a small such draft with random weights, deterministic
+given the seed: what tests and the GPU qualification drive. The production
+engine (``production_engine``) loads real checkpoints into the same code.
 """
 
 from __future__ import annotations
