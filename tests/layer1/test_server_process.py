@@ -3,8 +3,11 @@
 """The draft server as a real process behind its ZeroMQ transport."""
 
 import json
+import threading
 
 import pytest
+import torch
+import zmq
 from k3_layer1_server import (
     DEFAULT_OPTIONS,
     DraftServerProcess,
@@ -14,7 +17,11 @@ from k3_layer1_server import (
     propose_message,
 )
 
+from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft import protocol
+from vllm.k3_draft.engine import DraftLimits
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.server import DraftServer
 
 WIDTH = DEFAULT_OPTIONS["context_width"]
 
@@ -92,3 +99,21 @@ def test_tcp_loopback_server_serves(draft_server_factory):
     client = RawClient(server.address)
     assert client.call("PING")[0]["ok"]
     client.close()
+
+
+def test_transport_failure_ends_serve_with_the_error():
+    engine = ReferenceEngine(
+        DraftLimits(2, 1, 1, 8, 64, 16, 16, 16),
+        ReferenceModelConfig(),
+        torch.device("cpu"),
+    )
+    engine.load()
+    transport = RpcTransport(DraftServer(engine), "inproc://dead", None)
+    transport.bind()
+    assert transport.socket is not None
+    transport.socket.close()
+    served = []
+    with pytest.raises(zmq.ZMQError):
+        transport.serve(threading.Event(), lambda: served.append(True))
+    transport.close()
+    assert served == [True]

@@ -95,6 +95,6 @@ class RpcTransport:
     def close(self) -> None:
         if self.authenticator is not None:
             self.authenticator.stop()
-        if self.socket is not None:
+        if self.socket is not None and not self.socket.closed:
             self.socket.close(linger=0)
         self.context.term()
