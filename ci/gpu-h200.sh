@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU qualification on a CUDA machine that has torch, triton, numpy and pytest
+# but no vllm (the lent H200): every GPU-marked test file, then the GPU
+# benchmarks. Logs and JSON go to $OUT (default dist/gpu). pyzmq, if missing,
+# comes from wheels in .whl/ (see the device README).
+set -uo pipefail
+OUT=${OUT:-dist/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import zmq" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/k3-site .whl/*.whl
+  export PYTHONPATH=/tmp/k3-site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv \
+  > "$OUT/smi.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  > "$OUT/versions.txt"
+status=0
+# overlay/ on the path makes the layer modules that need no compiled vllm
+# (vllm.k3_draft: server, engines) importable as a namespace package.
+export PYTHONPATH="$PWD/overlay${PYTHONPATH:+:$PYTHONPATH}"
+timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu \
+  tests/layer1/test_reference_engine.py tests/layer3/test_stream_gate_gpu.py \
+  tests/layer4/test_slot_mapping_gpu.py tests/layer5/test_fused_mla_verify_gpu.py \
+  2>&1 | tee "$OUT/gpu-tests.txt" | tail -20 || status=1
+if [ "${K3_GPU_BENCH:-1}" = 1 ]; then
+  timeout 200 python3 bench/bench_deferred_resolve.py --steps 60 \
+    --out "$OUT/deferred.json" 2>&1 | tee "$OUT/bench-deferred.txt" | tail -30 || status=1
+fi
+exit $status
