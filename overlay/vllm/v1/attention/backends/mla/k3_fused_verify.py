@@ -197,17 +197,27 @@ class FusedVerifyPlanner:
             "Fused MLA verify: query_len %d..%d, capacities %s, DCP %d",
             MIN_QUERY_LEN,
             max_query_len,
-            capacities,
+            str(capacities),
             dcp_size,
         )
 
     @classmethod
     def for_builder(
-        cls, builder: Any, kv_cache_spec: "AttentionSpec", *, max_splits: int
+        cls, builder: Any, kv_cache_spec: "AttentionSpec"
     ) -> "FusedVerifyPlanner":
-        """The planner of a constructed ``TritonMLAMetadataBuilder``."""
+        """The planner of a constructed ``TritonMLAMetadataBuilder``; splits
+        are capped where the backend's workspace reservation caps them."""
         from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.mla import triton_mla
 
+        sm_count = current_platform.num_compute_units()
+        max_len = builder.vllm_config.model_config.max_model_len
+        max_splits = min(
+            kernel.triton.next_power_of_2(
+                max(1, max_len // triton_mla._MIN_WORK_PER_SPLIT)
+            ),
+            sm_count * triton_mla._SPLIT_OCCUPANCY_MULTIPLIER,
+        )
         return cls(
             builder.vllm_config,
             kv_cache_spec,
@@ -215,7 +225,7 @@ class FusedVerifyPlanner:
             max_query_len=builder.reorder_batch_threshold,
             dcp_size=builder.dcp_world_size,
             cp_interleave=builder.cp_kv_cache_interleave_size,
-            sm_count=current_platform.num_compute_units(),
+            sm_count=sm_count,
             max_splits=max_splits,
         )
 
