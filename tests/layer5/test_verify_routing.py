@@ -81,11 +81,11 @@ def _builder(
     config.parallel_config.decode_context_parallel_size = dcp
     config.parallel_config.cp_kv_cache_interleave_size = interleave
     if spec_tokens is not None:
-        config.speculative_config = SimpleNamespace(  # type: ignore[assignment]
+        config.speculative_config = SimpleNamespace(
             num_speculative_tokens=spec_tokens, parallel_drafting=False, method="x"
         )
     manager = object.__new__(MLADCPManager)
-    manager.init_kv_gather = lambda *a, **k: None  # type: ignore[method-assign]
+    manager.init_kv_gather = lambda *a, **k: None
     config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(
         q_lora_rank=None,
         kv_lora_rank=kv_lora_rank,
@@ -212,11 +212,11 @@ def test_row_capacity_is_checked_at_construction(
     assert planner.max_num_seqs * planner.max_query_len == 48
     with pytest.raises(ValueError, match="row capacity"):
         k3_fused_verify.FusedVerifyPlanner(
-            SimpleNamespace(  # type: ignore[arg-type]
+            SimpleNamespace(
                 scheduler_config=SimpleNamespace(max_num_seqs=1 << 16),
                 model_config=SimpleNamespace(max_model_len=4096),
             ),
-            SimpleNamespace(block_size=16),  # type: ignore[arg-type]
+            SimpleNamespace(block_size=16),
             num_heads=128,
             max_query_len=8,
             dcp_size=1,
