@@ -9,6 +9,7 @@ create; qualify, lint, typecheck, gpu and bench get environments of their own.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -89,9 +90,19 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over the overlay, the tooling, the tests and this file."""
+    """mypy over the overlay, the tooling, the benchmarks, this file and the
+    tests (each test folder on its own: they are rootless pytest folders whose
+    conftest and helper modules share names)."""
     session.install(TOOLS[1], "nox", "pytest", "numpy", "pyzmq", "prometheus_client")
-    session.run("mypy", *LINT_PATHS, env={"MYPYPATH": str(ROOT / "build")})
+    build_dir = str(ROOT / "build")
+    session.run(
+        "mypy", "overlay", "build", "bench", "noxfile.py", env={"MYPYPATH": build_dir}
+    )
+    for folder in sorted(p for p in (ROOT / "tests").iterdir() if p.is_dir()):
+        if not list(folder.glob("*.py")):
+            continue
+        path = os.pathsep.join([build_dir, str(ROOT / "tests" / "layer1"), str(folder)])
+        session.run("mypy", str(folder.relative_to(ROOT)), env={"MYPYPATH": path})
 
 
 @nox.session

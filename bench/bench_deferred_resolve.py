@@ -83,7 +83,7 @@ class Step:
     def __init__(
         self, address: str, t_ms: float, h_ms: float, l_ms: float, cycles_per_ms: float
     ) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.REQ)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
         self.socket.connect(address)
         self.t_cycles = int(t_ms * cycles_per_ms)
         self.h_ms, self.l_ms = h_ms, l_ms
@@ -251,7 +251,7 @@ def main() -> None:
         "gate: release-to-done p50 {gated_p50_us:.1f} us (p99 {gated_p99_us:.1f}), "
         "ungated launch p50 {ungated_p50_us:.1f} us".format(**overhead)
     )
-    stopper = zmq.Context.instance().socket(zmq.REQ)
+    stopper: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     stopper.connect(address)
     stopper.send(b"stop")
     stopper.recv()
