@@ -306,7 +306,7 @@ def qualify_layer(
         )
         row.upstream = (
             f"{now.count('passed')} passed, {len(regressions)} regressions, "
-            f"{known} fail on pristine too"
+            f"{known} not passing on pristine either"
         )
         row.passed += now.count("passed")
         row.failed += len(regressions)
