@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Per-group slot mapping (layer 4, ``vllm.v1.worker.gpu.k3_dcp_block_table``):
+a replicated group maps every token on every rank, a sharded group only its
+rank's tokens. The real Triton kernel runs under Triton's CPU interpreter and
+is checked against the pure-Python reference of its arithmetic; the same cases
+run on the GPU in test_slot_mapping_gpu.py."""
+
+import types
+from pathlib import Path
+
+import pytest
+from k3l4_slots import PAD, kernel_path, random_case, run_kernel
+from k3l4_slots import spec_example as example
+
+from vllm.v1.worker.gpu import block_table
+from vllm.v1.worker.gpu.k3_dcp_block_table import (
+    compute_slot_mappings,
+    sliding_window_reach_under_cp,
+)
+
+SPEC_SHARDED = [PAD, PAD, 320, PAD, PAD, PAD, 321, PAD]
+SPEC_REPLICATED = list(range(1280, 1288))
+
+
+def test_reference_reproduces_the_spec_example() -> None:
+    sharded, replicated = example().expected()
+    assert sharded[:8] == SPEC_SHARDED
+    assert replicated[:8] == SPEC_REPLICATED
+    assert set(sharded[8:]) == set(replicated[8:]) == {PAD}
+
+
+def test_kernel_reproduces_the_spec_example(
+    interpreted_kernels: types.ModuleType,
+) -> None:
+    sharded, replicated = run_kernel(interpreted_kernels, example(), "cpu")
+    assert sharded[:8] == SPEC_SHARDED
+    assert replicated[:8] == SPEC_REPLICATED
+    assert set(sharded[8:]) == set(replicated[8:]) == {PAD}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_kernel_matches_the_reference_on_random_geometries(
+    interpreted_kernels: types.ModuleType, seed: int
+) -> None:
+    case = random_case(seed)
+    assert run_kernel(interpreted_kernels, case, "cpu") == case.expected()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_matches_the_reference_on_long_prefills(
+    interpreted_kernels: types.ModuleType, seed: int
+) -> None:
+    case = random_case(seed, max_query_len=3000)
+    assert run_kernel(interpreted_kernels, case, "cpu") == case.expected()
+
+
+def test_every_rank_maps_every_replicated_token_and_one_rank_each_sharded_token(
+    interpreted_kernels: types.ModuleType,
+) -> None:
+    case = example()
+    per_rank = []
+    for rank in range(case.cp_size):
+        case.cp_rank = rank
+        per_rank.append(run_kernel(interpreted_kernels, case, "cpu"))
+    for position in range(8):
+        owners = [r for r in range(case.cp_size) if per_rank[r][0][position] != PAD]
+        assert owners == [position % case.cp_size]
+        assert {per_rank[r][1][position] for r in range(case.cp_size)} == {
+            1280 + position
+        }
+
+
+def test_block_tables_launch_the_layer_kernel() -> None:
+    """``BlockTables.compute_slot_mappings`` launches this module's kernel (the
+    one the interpreter and the GPU tests run), from the installed file."""
+    assert block_table.compute_slot_mappings is compute_slot_mappings
+    assert not hasattr(block_table, "_compute_slot_mappings_kernel")
+    installed = Path(block_table.__file__).with_name("k3_dcp_block_table.py")
+    assert kernel_path().samefile(installed)
+
+
+def test_sliding_window_masking_is_kept_for_replicated_groups_under_cp() -> None:
+    assert sliding_window_reach_under_cp([0, 127, 127], [True, True, False], 4) == [
+        0,
+        0,
+        127,
+    ]
+
+
+def test_sliding_window_masking_is_unchanged_without_cp() -> None:
+    assert sliding_window_reach_under_cp([0, 127], [True, True], 1) == [0, 127]
+
+
+def test_sliding_window_reach_needs_one_entry_per_group() -> None:
+    with pytest.raises(ValueError, match="one entry per KV cache group"):
+        sliding_window_reach_under_cp([127], [True, False], 4)
