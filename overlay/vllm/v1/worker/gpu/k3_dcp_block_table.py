@@ -56,7 +56,7 @@ def compute_slot_mappings(
 ) -> None:
     """Write the KV slot of every scheduled token, per KV cache group.
 
-    - ``slot_mappings``: ``[num_groups, max_num_tokens]`` int64, written in
+    - ``slot_mappings``: ``[num_groups >= 1, max_num_tokens]`` int64, written in
       full: token ``t`` of group ``g`` gets its slot or ``pad_id``, and every
       column from ``query_start_loc[num_reqs]`` on gets ``pad_id``.
     - ``idx_mapping``: ``[num_reqs]``, the block-table row of each batch
@@ -69,13 +69,11 @@ def compute_slot_mappings(
       ``pad_id`` for every token.
     - ``dcp_sharded``: a sharded group under ``cp_size > 1`` maps position
       ``p`` only on its owner rank ``(p // cp_interleave) % cp_size`` (slot
-      ``block_table[p // (B * cp_size)] * B`` + the rank-local offset) and
-      pads it elsewhere; a replicated group maps every position on every rank
-      as ``block_table[p // B] * B + p % B``.
+      ``block_table[p // (B * cp_size)] * B`` + the rank-local offset; the
+      interleave divides ``B``) and pads it elsewhere; a replicated group maps
+      every position on every rank as ``block_table[p // B] * B + p % B``.
     """
     num_groups = block_sizes.shape[0]
-    if num_groups == 0:
-        return
     num_reqs = idx_mapping.shape[0]
     _compute_slot_mappings_kernel[(num_groups, num_reqs + 1)](
         slot_mappings.shape[1],
