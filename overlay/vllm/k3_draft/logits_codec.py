@@ -1,0 +1,285 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Wire format of the draft-logits capabilities (layer 2).
+
+Probabilistic drafting needs the draft distribution q of every drafted slot,
+so a PROPOSE may ask for the engine's pre-temperature logits:
+
+* ``dflash_logits_bf16_v1``: header ``"return_logits": true``; one reply frame
+  of bf16 ``[R, K, V]`` (``R * K * V * 2`` bytes);
+* ``dflash_logits_topk_bf16_v1``: header ``"return_logits": true,
+  "logits_topk": k`` (``1 <= k <= V``); one reply frame holding the top-k
+  values (bf16 ``[R, K, k]``) followed by their vocabulary ids (int32
+  ``[R, K, k]``), ``R * K * k * 6`` bytes, no padding.
+
+The reply's extension entry (``protocol.extension_frames``) carries ``dtype``
+(``"bf16"``), ``shape`` (``[R, K, V]`` or ``[R, K, k]``), ``nbytes`` (the
+frame's exact length), ``sample_positions`` and, for top-k, ``ids_dtype``
+(``"int32"``), ``values_nbytes`` and ``ids_nbytes``. ``sample_positions[r][j]``
+is the position of the token drafted in slot ``j`` of request ``r``
+(``anchor_position + 1 + j``), or null when that position is at or past the
+model length: such a slot carries no draft. Its Gumbel draw is keyed by the
+position before it, as for upstream's local drafts.
+
+A client validates every field, the frame length, that no value is NaN or
++inf and that each slot has a finite logit, and that top-k ids are distinct
+vocabulary ids, before using anything (``decode_logits``). This module imports
+only the standard library, numpy and torch: the draft server uses it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.k3_draft.protocol import ProtocolError
+
+CAPABILITY_FULL = "dflash_logits_bf16_v1"
+CAPABILITY_TOPK = "dflash_logits_topk_bf16_v1"
+RETURN_LOGITS = "return_logits"
+LOGITS_TOPK = "logits_topk"
+REQUEST_FIELDS = (RETURN_LOGITS, LOGITS_TOPK)
+VALUE_DTYPE = "bf16"
+ID_DTYPE = "int32"
+_ID_BYTES = 4
+_VALUE_BYTES = 2
+# bf16 bit fields: an all-ones exponent is an infinity (zero mantissa) or a NaN.
+_EXPONENT = 0x7F80
+_MANTISSA = 0x007F
+_FULL_KEYS = frozenset(
+    {"capability", "num_frames", "dtype", "shape", "nbytes", "sample_positions"}
+)
+_TOPK_KEYS = _FULL_KEYS | {"ids_dtype", "values_nbytes", "ids_nbytes"}
+
+
+@dataclass(frozen=True)
+class LogitsFormat:
+    """What a client asks for: the full vocabulary (``topk == 0``) or the
+    top-``topk`` slice of each drafted slot's logits."""
+
+    vocab_size: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or not 0 <= self.topk <= self.vocab_size:
+            raise ValueError(
+                f"logits top-k {self.topk} must be in [0, {self.vocab_size}] "
+                "(0: the full vocabulary)"
+            )
+
+    @property
+    def capability(self) -> str:
+        return CAPABILITY_TOPK if self.topk else CAPABILITY_FULL
+
+    @property
+    def width(self) -> int:
+        """Logits per drafted slot on the wire."""
+        return self.topk or self.vocab_size
+
+    def request_fields(self) -> dict[str, Any]:
+        """The PROPOSE header fields that ask for this format."""
+        if self.topk:
+            return {RETURN_LOGITS: True, LOGITS_TOPK: self.topk}
+        return {RETURN_LOGITS: True}
+
+    def metadata(
+        self, num_requests: int, num_speculative_tokens: int
+    ) -> dict[str, Any]:
+        """The reply entry's fields for ``R`` requests of ``K`` slots, less
+        ``capability``, ``num_frames`` and ``sample_positions``."""
+        count = num_requests * num_speculative_tokens * self.width
+        meta: dict[str, Any] = {
+            "dtype": VALUE_DTYPE,
+            "shape": [num_requests, num_speculative_tokens, self.width],
+            "nbytes": count * (_VALUE_BYTES + (_ID_BYTES if self.topk else 0)),
+        }
+        if self.topk:
+            meta["ids_dtype"] = ID_DTYPE
+            meta["values_nbytes"] = count * _VALUE_BYTES
+            meta["ids_nbytes"] = count * _ID_BYTES
+        return meta
+
+
+def requested_format(header: Mapping[str, Any], vocab_size: int) -> LogitsFormat | None:
+    """Server side: the logits a PROPOSE ``header`` asks for (None: none).
+
+    ``return_logits`` must be a boolean; ``logits_topk`` an integer in
+    ``[1, vocab_size]`` and only with ``return_logits: true``. Anything else
+    raises ``ProtocolError``.
+    """
+    wanted = header.get(RETURN_LOGITS, False)
+    if type(wanted) is not bool:
+        raise ProtocolError(f"{RETURN_LOGITS} must be a boolean")
+    topk = header.get(LOGITS_TOPK)
+    if topk is not None:
+        if not wanted:
+            raise ProtocolError(f"{LOGITS_TOPK} needs {RETURN_LOGITS}: true")
+        if type(topk) is not int or not 1 <= topk <= vocab_size:
+            raise ProtocolError(
+                f"{LOGITS_TOPK} must be an integer in [1, {vocab_size}], got {topk!r}"
+            )
+    return LogitsFormat(vocab_size, topk or 0) if wanted else None
+
+
+def _slot_positions(
+    anchor_positions: Sequence[int] | np.ndarray, num_speculative_tokens: int
+) -> np.ndarray:
+    """int64 ``[R, K]``: ``anchor + 1 + j``."""
+    anchors = np.asarray(anchor_positions, dtype=np.int64).reshape(-1, 1)
+    return anchors + np.arange(1, num_speculative_tokens + 1)
+
+
+def _wire_positions(positions: np.ndarray, max_model_len: int) -> list:
+    rows = positions.tolist()
+    if positions.size and positions.max() >= max_model_len:
+        rows = [[p if p < max_model_len else None for p in row] for row in rows]
+    return rows
+
+
+def sample_positions(
+    anchor_positions: Sequence[int] | np.ndarray,
+    num_speculative_tokens: int,
+    max_model_len: int,
+) -> list[list[int | None]]:
+    """Per request and slot ``j``: ``anchor + 1 + j``, or None at or past
+    ``max_model_len``."""
+    positions = _slot_positions(anchor_positions, num_speculative_tokens)
+    return _wire_positions(positions, max_model_len)
+
+
+def encode_logits(
+    logits: torch.Tensor,
+    fmt: LogitsFormat,
+    positions: list[list[int | None]],
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Server side: the reply entry and the frame bytes (uint8, on the
+    logits' device) of pre-temperature ``logits`` ``[R, K, V]``.
+
+    Values are the logits rounded to bf16; top-k picks the ``k`` largest bf16
+    values of each slot (ties broken by the device's ``topk``).
+    """
+    num_requests, num_tokens, vocab = logits.shape
+    if vocab != fmt.vocab_size:
+        raise ValueError(f"engine logits have {vocab} columns, not {fmt.vocab_size}")
+    values = logits.to(torch.bfloat16).contiguous()
+    if fmt.topk:
+        values, ids = values.topk(fmt.topk, dim=-1, sorted=False)
+        frame = torch.cat(
+            (
+                values.contiguous().view(torch.uint8).reshape(-1),
+                ids.to(torch.int32).view(torch.uint8).reshape(-1),
+            )
+        )
+    else:
+        frame = values.view(torch.uint8).reshape(-1)
+    meta = fmt.metadata(num_requests, num_tokens)
+    meta["sample_positions"] = positions
+    return meta, frame
+
+
+@dataclass(frozen=True)
+class DecodedLogits:
+    """A validated logits frame, aliasing its buffer: ``values`` int16 bit
+    patterns of the bf16 logits ``[R, K, W]``; ``ids`` int32 ``[R, K, k]``
+    (None for the full vocabulary); ``positions`` int64 ``[R, K]``, -1 where
+    a slot has no sample position."""
+
+    values: np.ndarray
+    ids: np.ndarray | None
+    positions: np.ndarray
+
+
+def _check_positions(
+    got: Any, anchor_positions: np.ndarray, num_tokens: int, max_model_len: int
+) -> np.ndarray:
+    """``got`` must be the wire form of the slots' positions (ints, not JSON
+    booleans); returns them as int64 ``[R, K]``, -1 for None."""
+    positions = _slot_positions(anchor_positions, num_tokens)
+    # Positions are at least 1, so only a 1 can stand for a JSON true.
+    if got != _wire_positions(positions, max_model_len) or any(
+        1 in row and any(value is True for value in row) for row in got
+    ):
+        raise ProtocolError(
+            "logits sample_positions are not the positions of the drafted slots"
+        )
+    return np.where(positions < max_model_len, positions, -1)
+
+
+def _check_values(values: np.ndarray) -> None:
+    """No NaN, no +inf, and a finite value in every slot."""
+    special = (values & _EXPONENT) == _EXPONENT
+    if not special.any():
+        return
+    if (values[special] & _MANTISSA).any():
+        raise ProtocolError("logits frame holds NaN")
+    # -inf (a masked token) is allowed; its sign bit makes the int16 negative.
+    if (values[special] >= 0).any():
+        raise ProtocolError("logits frame holds +inf")
+    if special.all(axis=-1).any():
+        raise ProtocolError("logits frame has a slot without a finite logit")
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Vocabulary ids, distinct within each slot."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ProtocolError(f"logits ids outside the vocabulary [0, {vocab_size})")
+    ordered = np.sort(ids, axis=-1)
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        raise ProtocolError("logits ids repeat within a drafted slot")
+
+
+def decode_logits(
+    metadata: Mapping[str, Any],
+    frames: Sequence[Any],
+    fmt: LogitsFormat,
+    anchor_positions: np.ndarray,
+    num_speculative_tokens: int,
+    max_model_len: int,
+) -> DecodedLogits:
+    """Client side: validate one reply entry and its frames against what was
+    asked: ``fmt`` for the requests at ``anchor_positions`` drafting
+    ``num_speculative_tokens`` slots each, on a model of ``max_model_len``
+    positions. Raises ``ProtocolError`` for any deviation."""
+    num_requests, num_tokens = len(anchor_positions), num_speculative_tokens
+    keys = _TOPK_KEYS if fmt.topk else _FULL_KEYS
+    if metadata.keys() != keys:
+        raise ProtocolError(
+            f"logits entry fields {sorted(metadata)} are not {sorted(keys)}"
+        )
+    if metadata["capability"] != fmt.capability:
+        raise ProtocolError(f"logits entry is {metadata['capability']!r}")
+    if metadata["num_frames"] != 1 or len(frames) != 1:
+        raise ProtocolError(f"logits entry carries {len(frames)} frames, not 1")
+    expected = fmt.metadata(num_requests, num_tokens)
+    for name, want in expected.items():
+        got = metadata[name]
+        ok = (
+            got == want and all(type(v) is int for v in got)
+            if isinstance(want, list)
+            else got == want and type(got) is type(want)
+        )
+        if not ok:
+            raise ProtocolError(f"logits {name} is {got!r}, expected {want!r}")
+    positions = _check_positions(
+        metadata["sample_positions"], anchor_positions, num_tokens, max_model_len
+    )
+    view = memoryview(frames[0]).cast("B")
+    if view.nbytes != expected["nbytes"]:
+        raise ProtocolError(
+            f"logits frame has {view.nbytes} bytes, expected {expected['nbytes']}"
+        )
+    shape = (num_requests, num_tokens, fmt.width)
+    count = num_requests * num_tokens * fmt.width
+    values = np.frombuffer(view, dtype="<i2", count=count).reshape(shape)
+    _check_values(values)
+    ids = None
+    if fmt.topk:
+        offset = count * _VALUE_BYTES
+        ids = np.frombuffer(view, dtype="<i4", count=count, offset=offset)
+        ids = ids.reshape(shape)
+        _check_ids(ids, fmt.vocab_size)
+    return DecodedLogits(values, ids, positions)
