@@ -1,0 +1,275 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Draft logits over the wire: full vocabulary against top-k, one run.
+
+Transport: a draft server process on loopback TCP (layer 1's server and
+ZeroMQ transport around the synthetic ``TableEngine`` of
+``tests/layer2/k3_l2_engines.py``, whose bf16 logits have the Kimi vocabulary,
+V = 163,840) answers steady-state PROPOSEs of ``batch`` requests, K = 3, that
+ask for the full-vocabulary logits or their top-k slices (k in 16, 64, 256);
+the cases are interleaved, request by request. The client is layer 2's: the
+reply is validated and staged by ``RemoteDraftLogits.consume``. Reported per
+case (p50 and p99 over the iterations, microseconds): the reply bytes (header
+and frames), the PROPOSE round trip, the server's handling time
+(``timing_ms.total``, which includes the engine and the encoding of the
+logits: bf16 staging or the top-k selection, on the engine's device, here the
+CPU), the engine's own time, the round trip minus the server's handling (the
+transport), and the client's validation and staging (``consume``).
+
+Acceptance: the acceptance rate a verifier loses by sampling drafts from the
+top-k slice, computed exactly from synthetic draft distributions q (peaked
+and flat) and target distributions p near them: per position
+``sum_x min(p(x), q(x))`` against ``sum_x min(p(x), q_k(x))``, where ``q_k``
+is q renormalised on its top k tokens.
+
+Usage::
+
+    python bench/bench_draft_logits.py --iters 200 --out logits.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.client import DraftClient
+from vllm.k3_draft.logits_codec import LogitsFormat
+from vllm.k3_draft.plan import Proposal
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+    RemoteDraftLogits,
+)
+
+ENGINES = Path(__file__).resolve().parent.parent / "tests" / "layer2"
+sys.path.insert(0, str(ENGINES))
+from k3_l2_engines import free_tcp_port  # noqa: E402
+
+VOCAB = 163_840
+K = 3
+TOPKS = (16, 64, 256)
+BATCHES = (1, 8)
+ENGINE_TIMINGS = ("context", "query", "device_wait", "copy_back")
+
+
+class _OneRank:
+    rank_in_group, world_size = 0, 1
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+
+def start_server(table_path: str, address: str) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        str(ENGINES / "k3_l2_engines.py"),
+        "--address",
+        address,
+        "--table",
+        table_path,
+        "--max-batch-size",
+        str(max(BATCHES)),
+    ]
+    # One engine thread: idle OpenMP workers would spin against the client.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "serving":
+        raise RuntimeError("the table server did not start")
+    return proc
+
+
+class Case:
+    """Steady-state PROPOSEs of ``batch`` requests asking for ``fmt``."""
+
+    def __init__(self, client: DraftClient, batch: int, topk: int) -> None:
+        self.client = client
+        self.batch = batch
+        self.fmt = LogitsFormat(VOCAB, topk)
+        self.name = f"b{batch} " + (f"top-{topk}" if topk else "full")
+        self.extension = RemoteDraftLogits(
+            self.fmt, K, batch, 1 << 20, torch.device("cpu"), False, _OneRank()
+        )
+        self.ids = [f"{self.name}-{i}" for i in range(batch)]
+        self.anchors = np.arange(batch, dtype=np.int64) + 100
+        self.proposal = Proposal(tuple(self.ids), np.arange(batch), self.anchors, K)
+        self.samples: dict[str, list[float]] = {
+            key: [] for key in ("rtt", "server", "engine", "consume", "bytes")
+        }
+        self._requests(reset=True)
+
+    def _requests(self, reset: bool) -> tuple[dict[str, Any], list[Any]]:
+        wire = [
+            {
+                "request_id": rid,
+                "reset": reset,
+                "reset_position": int(anchor),
+                "context_count": 0,
+                "anchor_token_id": i,
+                "anchor_position": int(anchor),
+            }
+            for i, (rid, anchor) in enumerate(zip(self.ids, self.anchors))
+        ]
+        return self.client.call(
+            protocol.OP_PROPOSE,
+            num_speculative_tokens=K,
+            requests=wire,
+            **self.fmt.request_fields(),
+        )
+
+    def run(self, record: bool) -> None:
+        start = time.perf_counter()
+        header, frames = self._requests(reset=False)
+        received = time.perf_counter()
+        ((meta, logits_frames),) = protocol.extension_frames(header, frames).values()
+        self.extension.consume(meta, logits_frames, self.proposal)
+        consumed = time.perf_counter()
+        if not record:
+            return
+        timing = header["timing_ms"]
+        reply_bytes = len(protocol.encode_header(header)) + sum(
+            len(memoryview(f)) for f in frames
+        )
+        for key, value in (
+            ("rtt", received - start),
+            ("server", timing["total"] / 1e3),
+            ("engine", sum(timing[k] for k in ENGINE_TIMINGS) / 1e3),
+            ("consume", consumed - received),
+            ("bytes", reply_bytes),
+        ):
+            self.samples[key].append(value)
+
+    def summary(self) -> dict[str, Any]:
+        def us(values: list[float]) -> dict[str, float]:
+            array = np.asarray(values) * 1e6
+            return {
+                "p50": float(np.percentile(array, 50)),
+                "p99": float(np.percentile(array, 99)),
+            }
+
+        s = self.samples
+        transport = [r - h for r, h in zip(s["rtt"], s["server"])]
+        return {
+            "case": self.name,
+            "batch": self.batch,
+            "topk": self.fmt.topk,
+            "reply_bytes": int(np.median(s["bytes"])),
+            "rtt_us": us(s["rtt"]),
+            "server_us": us(s["server"]),
+            "engine_us": us(s["engine"]),
+            "transport_us": us(transport),
+            "consume_us": us(s["consume"]),
+        }
+
+
+def acceptance(seed: int = 0) -> list[dict[str, Any]]:
+    """Exact per-position acceptance with the full q and with its top-k.
+
+    Draft logits are N(0, scale^2) over the vocabulary (peaked: most mass on a
+    few tokens; flat: spread over many); the target's logits are the draft's
+    plus N(0, 1) noise.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for shape, scale in (("peaked", 5.0), ("moderate", 2.5), ("flat", 1.0)):
+        draft = rng.normal(size=VOCAB) * scale
+        target = draft + rng.normal(size=VOCAB)
+        for temperature in (0.7, 1.0):
+            q = np.exp((draft - draft.max()) / temperature)
+            q /= q.sum()
+            p = np.exp((target - target.max()) / temperature)
+            p /= p.sum()
+            full = float(np.minimum(p, q).sum())
+            order = np.argsort(q)[::-1]
+            for k in TOPKS:
+                q_k = np.zeros_like(q)
+                q_k[order[:k]] = q[order[:k]]
+                mass = float(q_k.sum())
+                q_k /= mass
+                kept = float(np.minimum(p, q_k).sum())
+                rows.append(
+                    {
+                        "distribution": shape,
+                        "temperature": temperature,
+                        "k": k,
+                        "q_mass_in_topk": mass,
+                        "acceptance_full": full,
+                        "acceptance_topk": kept,
+                        "lost": full - kept,
+                    }
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(max(BATCHES), K, VOCAB, generator=generator).bfloat16()
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    with tempfile.NamedTemporaryFile(suffix=".pt") as table_file:
+        torch.save(table, table_file.name)
+        server = start_server(table_file.name, address)
+    client = DraftClient(address, 60_000)
+    try:
+        cases = [Case(client, batch, topk) for batch in BATCHES for topk in (0, *TOPKS)]
+        for index in range(args.warmup + args.iters):
+            for case in cases:
+                case.run(record=index >= args.warmup)
+    finally:
+        client.close()
+        server.terminate()
+        server.wait()
+    results = [case.summary() for case in cases]
+    full = {r["batch"]: r for r in results if r["topk"] == 0}
+    print(
+        f"{'case':<14} {'reply B':>10} {'bytes x':>8} {'rtt p50/p99 us':>18} "
+        f"{'rtt x':>6} {'server p50':>10} {'transport p50':>13} {'consume p50':>11}"
+    )
+    for r in results:
+        base = full[r["batch"]]
+        r["bytes_reduction"] = base["reply_bytes"] / r["reply_bytes"]
+        r["rtt_speedup_p50"] = base["rtt_us"]["p50"] / r["rtt_us"]["p50"]
+        r["transport_speedup_p50"] = (
+            base["transport_us"]["p50"] / r["transport_us"]["p50"]
+        )
+        print(
+            f"{r['case']:<14} {r['reply_bytes']:>10} {r['bytes_reduction']:>8.1f} "
+            f"{r['rtt_us']['p50']:>8.0f}/{r['rtt_us']['p99']:<9.0f} "
+            f"{r['rtt_speedup_p50']:>6.1f} {r['server_us']['p50']:>10.0f} "
+            f"{r['transport_us']['p50']:>13.0f} {r['consume_us']['p50']:>11.0f}"
+        )
+    loss = acceptance()
+    print(
+        f"\n{'q':<9} {'T':>4} {'k':>4} {'q mass':>7} {'acc full':>9} "
+        f"{'acc top-k':>9} {'lost':>7}"
+    )
+    for row in loss:
+        print(
+            f"{row['distribution']:<9} {row['temperature']:>4} {row['k']:>4} "
+            f"{row['q_mass_in_topk']:>7.4f} {row['acceptance_full']:>9.4f} "
+            f"{row['acceptance_topk']:>9.4f} {row['lost']:>7.4f}"
+        )
+    if args.out:
+        meta = {"cpus": os.cpu_count(), "iters": args.iters, "vocab": VOCAB, "k": K}
+        with open(args.out, "w") as out:
+            json.dump(
+                {"meta": meta, "transport": results, "acceptance": loss}, out, indent=2
+            )
+
+
+if __name__ == "__main__":
+    main()

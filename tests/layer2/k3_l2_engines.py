@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A synthetic draft engine and a draft server around it, on loopback.
+
+``TableEngine`` is a ``DraftEngine`` whose pre-temperature logits are looked
+up, per request, from a table by the request's anchor token: request ``r``
+drafts from ``table[anchor_token_id[r], :K]``. Tests set the table to the
+draft distributions they need; ``bench/bench_draft_logits.py`` fills it with
+logits of the Kimi vocabulary. It keeps no context state.
+
+``LoopbackServer`` runs layer 1's ``DraftServer`` and ``RpcTransport`` (real
+ZeroMQ on a loopback TCP port) around an engine in a thread of this process;
+``python k3_l2_engines.py --address ADDR ...`` serves a ``TableEngine`` in a
+process of its own (the benchmark's server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+
+import torch
+
+from vllm.entrypoints.k3_dspark_rpc import RpcTransport
+from vllm.k3_draft.engine import (
+    DraftEngine,
+    DraftLimits,
+    EngineSpec,
+    MemoryPlan,
+    ProposeBatch,
+    ProposeOutput,
+    StepTimer,
+)
+from vllm.k3_draft.protocol import load_capability_plugins
+from vllm.k3_draft.server import DraftServer
+
+CONTEXT_WIDTH = 8
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def table_limits(
+    max_batch_size: int,
+    max_speculative_tokens: int,
+    max_model_len: int,
+    max_requests: int | None = None,
+) -> DraftLimits:
+    """Bounds of a table server (default: as many retained requests as a
+    batch)."""
+    return DraftLimits(
+        max_requests=max_requests or max_batch_size,
+        max_batch_size=max_batch_size,
+        max_speculative_tokens=max_speculative_tokens,
+        max_context_tokens=16,
+        max_model_len=max_model_len,
+        block_size=16,
+        window_size=16,
+        prefix_cache_tokens=16,
+    )
+
+
+class TableEngine(DraftEngine):
+    """Logits by anchor token from ``table`` ``[anchors, K_max, V]`` (fixed
+    once the engine is built). The logits of the last batch of anchors are
+    kept, as a device engine keeps its output buffer: a repeated batch costs
+    the engine nothing, so a benchmark measures the transport."""
+
+    def __init__(self, limits: DraftLimits, table: torch.Tensor) -> None:
+        self.limits = limits
+        self.table = table
+        self.tokens = table.argmax(-1)
+        self.device = torch.device("cpu")
+        self.spec = EngineSpec(
+            method="dflash",
+            vocab_size=table.shape[-1],
+            context_width=CONTEXT_WIDTH,
+            hidden_size=CONTEXT_WIDTH,
+            supports_logits=True,
+            query_kv_overhang=0,
+        )
+        self._last: tuple[tuple[int, ...], int, torch.Tensor] | None = None
+
+    def memory_plan(self) -> MemoryPlan:
+        return MemoryPlan(0, 0, self.table.numel() * self.table.element_size(), 0)
+
+    def load(self) -> None:
+        pass
+
+    def capture_cuda_graphs(self) -> list[tuple[int, int]]:
+        return []
+
+    def propose(self, batch: ProposeBatch) -> ProposeOutput:
+        timer = StepTimer()
+        timer.mark("context")
+        anchors = tuple(batch.anchor_token_ids)
+        k = batch.num_speculative_tokens
+        if self._last is None or self._last[:2] != (anchors, k):
+            logits = self.table[torch.tensor(anchors), :k]
+            self._last = (anchors, k, logits)
+        logits = self._last[2]
+        timer.mark("query")
+        timer.mark("device_wait")
+        tokens = self.tokens[torch.tensor(anchors), :k]
+        timer.mark("copy_back")
+        return ProposeOutput(
+            tokens, logits if batch.want_logits else None, timer.timings
+        )
+
+    def restore(
+        self, src_slot: int, dst_slot: int, start: int, end: int, kv_start: int
+    ) -> None:
+        pass
+
+
+class LoopbackServer:
+    """``DraftServer(engine)`` on a loopback TCP port, served by a thread."""
+
+    def __init__(self, engine: DraftEngine, address: str | None = None) -> None:
+        load_capability_plugins()
+        self.server = DraftServer(engine)
+        self.address = address or f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.transport = RpcTransport(self.server, self.address, None)
+        self.transport.bind()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self.transport.serve, args=(self._stop, lambda: None), daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.transport.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--table", required=True, help="a torch.save'd table")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-requests", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=1 << 20)
+    args = parser.parse_args()
+    table = torch.load(args.table)
+    limits = table_limits(
+        args.max_batch_size, table.shape[1], args.max_model_len, args.max_requests
+    )
+    LoopbackServer(TableEngine(limits, table), args.address)
+    print("serving", flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Upstream's Triton samplers under Triton's CPU interpreter against the
+references of ``k3_l2_reference``; exits non-zero on a mismatch.
+
+Usage: ``TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python k3_l2_interpreted.py``
+(the interpreter must be on before triton is imported; an empty device list
+is how ``vllm.triton_utils`` keeps Triton enabled on a host without a GPU
+driver). Checks, bit for bit on tokens and caches:
+
+* ``gumbel_sample`` (drafting, bf16 logits cache, per-token slot columns,
+  masked rows, greedy and sampled temperatures, 64-bit seeds; fp32 and fp64
+  noise) against ``k3_l2_reference.gumbel_sample``;
+* ``rejection_sample(use_block_verification=True)`` with draft logits
+  against ``k3_l2_reference.block_rejection_sample`` (the interpreter has no
+  ``libdevice.log1p``; it is given ``log(1 + x)``);
+* ``RemoteDraftLogits.publish`` driving upstream's ``gumbel_sample`` against
+  the same publish driving the reference (full vocabulary and top-k).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm.triton_utils import tl, triton
+
+V, K = 40, 3
+
+
+@triton.jit
+def _log1p(x):
+    """The interpreter's stand-in for ``libdevice.log1p``."""
+    return tl.log(1.0 + x)
+
+
+def _check_gumbel(use_fp64: bool) -> None:
+    from k3_l2_reference import gumbel_sample as reference
+
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    generator = torch.Generator().manual_seed(7 + use_fp64)
+    rows = 16 * K
+    logits = (torch.randn(rows, V, generator=generator) * 3).bfloat16()
+    # Every (request, slot) once, shuffled; some rows masked.
+    order = torch.randperm(rows, generator=generator)
+    idx = torch.arange(16).repeat_interleave(K)[order]
+    cols = torch.arange(K, dtype=torch.int32).repeat(16)[order]
+    idx[::7] = -1
+    temperature = torch.rand(16, generator=generator) * 2
+    temperature[::5] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (16,), generator=generator)
+    pos = torch.randint(0, 1 << 20, (rows,), generator=generator)
+    caches = [torch.zeros(16, K, V, dtype=torch.bfloat16) for _ in range(2)]
+    tokens = [
+        sample(
+            logits,
+            idx,
+            temperature,
+            seeds,
+            pos,
+            apply_temperature=True,
+            is_drafting=True,
+            logits_cache=cache,
+            logits_cache_col=cols,
+            use_fp64=use_fp64,
+        )
+        for sample, cache in zip((gumbel_sample, reference), caches)
+    ]
+    assert torch.equal(tokens[0], tokens[1]), (use_fp64, tokens)
+    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+    print(f"gumbel_sample fp64={use_fp64}: {rows} rows match")
+
+
+def _check_rejection(use_fp64: bool) -> None:
+    from k3_l2_reference import block_rejection_sample
+
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils as utils
+
+    utils.tldevice = types.SimpleNamespace(log1p=_log1p)  # type: ignore[assignment]
+    generator = torch.Generator().manual_seed(11 + use_fp64)
+    reqs, rows = 24, K + 1
+    idx = torch.randperm(32, generator=generator)[:reqs]
+    temperature = 0.3 + torch.rand(32, generator=generator) * 1.7
+    seeds = torch.randint(-(2**62), 2**62, (32,), generator=generator)
+    draft = (torch.randn(32, K, V, generator=generator) * 2).bfloat16()
+    # Target rows near the draft so that some blocks are accepted.
+    bonus = torch.randn(reqs, 1, V, generator=generator) * 2
+    target = torch.cat([draft[idx].float(), bonus], 1)
+    target = target + torch.randn(reqs, rows, V, generator=generator) * 0.7
+    target = (target / temperature[idx][:, None, None]).view(-1, V)
+    q = torch.softmax(draft[idx].float() / temperature[idx][:, None, None], -1)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=generator).view(reqs, K)
+    draft_sampled = torch.cat([torch.zeros(reqs, 1, dtype=torch.long), drafts], 1)
+    pos = torch.randint(0, 1 << 20, (reqs, 1), generator=generator) + torch.arange(rows)
+    args = (
+        target.contiguous(),
+        draft,
+        draft_sampled.view(-1),
+        torch.arange(reqs + 1) * rows,
+        pos.view(-1),
+        idx,
+        idx.repeat_interleave(rows),
+        torch.arange(rows).repeat(reqs),
+        temperature,
+        seeds,
+        K,
+    )
+    got, got_num = utils.rejection_sample(
+        *args, use_fp64=use_fp64, use_block_verification=True
+    )
+    want, want_num = block_rejection_sample(*args, use_fp64=use_fp64)
+    assert torch.equal(got_num.int(), want_num), (got_num, want_num)
+    emitted = torch.arange(rows)[None, :] < want_num[:, None]
+    assert torch.equal(got[emitted], want[emitted]), (got, want)
+    print(
+        f"rejection_sample fp64={use_fp64}: {reqs} requests match "
+        f"(accepted lengths {sorted(set((want_num - 1).tolist()))})"
+    )
+
+
+class _OneRank:
+    rank_in_group, world_size = 0, 1
+
+    def broadcast(self, tensor, src=0):
+        return tensor
+
+
+def _check_publish(topk: int) -> None:
+    import k3_l2_reference
+
+    from vllm.k3_draft.logits_codec import LogitsFormat, encode_logits, sample_positions
+    from vllm.k3_draft.plan import Proposal
+    from vllm.k3_draft.protocol import tensor_frame
+    from vllm.v1.worker.gpu.spec_decode.dspark import remote_draft_logits
+    from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
+        PublishContext,
+        RemoteStep,
+    )
+
+    fmt = LogitsFormat(V, topk)
+    proposal = Proposal(("a", "b", "c"), np.array([0, 2, 3]), np.array([5, 90, 63]), K)
+    logits = torch.randn(3, K, V, generator=torch.Generator().manual_seed(topk))
+    meta, frame = encode_logits(logits, fmt, sample_positions([5, 90, 63], K, 65))
+    meta.update(capability=fmt.capability, num_frames=1)
+    results = []
+    upstream = remote_draft_logits.gumbel_sample
+    for sampler in (upstream, k3_l2_reference.gumbel_sample):
+        remote_draft_logits.gumbel_sample = sampler
+        extension = remote_draft_logits.RemoteDraftLogits(
+            fmt, K, 8, 65, torch.device("cpu"), True, _OneRank()
+        )
+        payload = extension.consume(meta, [bytes(tensor_frame(frame))], proposal)
+        drafts = torch.full((4, K), -1)
+        step = RemoteStep(
+            input_batch=SimpleNamespace(idx_mapping=torch.tensor([6, 1, 0, 2])),
+            num_reqs=4,
+            num_speculative_tokens=K,
+            temperature=torch.tensor([0.7, 1.0, 0.0, 1, 1.5, 1, 0.9, 1]),
+            seeds=torch.arange(8) * 77 - 300,
+            staged=None,
+        )
+        extension.publish(payload, PublishContext(step, drafts))
+        results.append((drafts, extension.draft_logits))
+    remote_draft_logits.gumbel_sample = upstream
+    (drafts, cache), (want_drafts, want_cache) = results
+    assert torch.equal(drafts, want_drafts), (drafts, want_drafts)
+    assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
+    # Row 1 has no reply, row 2 runs past the model length, row 3 (greedy)
+    # has one slot before it.
+    assert (drafts[0] >= 0).all() and (drafts[1:3] == -1).all(), drafts
+    assert drafts[3, 0] >= 0 and (drafts[3, 1:] == -1).all(), drafts
+    print(f"publish top-k={topk}: drafts and cache match {drafts.tolist()}")
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1 (and CUDA_VISIBLE_DEVICES=)")
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise SystemExit("Triton is disabled: set CUDA_VISIBLE_DEVICES to ''")
+    for use_fp64 in (False, True):
+        _check_gumbel(use_fp64)
+        _check_rejection(use_fp64)
+    for topk in (0, 5):
+        _check_publish(topk)
+    print("all interpreted checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The server half of the draft-logits capabilities, against a real draft
+server process (layer 1's reference engine, CPU, ipc on this host)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from k3_layer1_server import (
+    DEFAULT_OPTIONS,
+    DraftServerProcess,
+    RawClient,
+    entry,
+    propose_message,
+)
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.logits_codec import (
+    CAPABILITY_FULL,
+    CAPABILITY_TOPK,
+    LogitsFormat,
+    decode_logits,
+)
+
+VOCAB = DEFAULT_OPTIONS["vocab_size"]
+WIDTH = DEFAULT_OPTIONS["context_width"]
+MAX_LEN = DEFAULT_OPTIONS["max_model_len"]
+K = 3
+
+
+@pytest.fixture
+def client(reference_server: DraftServerProcess) -> Iterator[RawClient]:
+    raw = RawClient(reference_server.address)
+    raw.call(protocol.OP_CLEAR)
+    yield raw
+    raw.close()
+
+
+def _propose(
+    client: RawClient, entries: list[dict], **fields
+) -> tuple[dict, list[bytes]]:
+    reply = client.send_frames(propose_message(entries, K, WIDTH, **fields))
+    return json.loads(reply[0]), reply[1:]
+
+
+def _logits_of(header: dict, frames: list[bytes], fmt: LogitsFormat, anchors):
+    parts = protocol.extension_frames(header, frames)
+    assert list(parts) == [fmt.capability]
+    meta, ext_frames = parts[fmt.capability]
+    return decode_logits(meta, ext_frames, fmt, np.array(anchors), K, MAX_LEN)
+
+
+def _bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.copy()).view(torch.bfloat16).float()
+
+
+def test_pong_advertises_both_capabilities(client):
+    pong, frames = client.call(protocol.OP_PING)
+    assert pong["capabilities"] == [CAPABILITY_FULL, CAPABILITY_TOPK]
+    assert frames == []
+
+
+def test_greedy_client_still_gets_one_frame(client):
+    header, frames = _propose(client, [entry("g", 20, count=20, reset=True)])
+    assert header["ok"] and frames == [] and "extensions" not in header
+
+
+def test_full_and_topk_logits_describe_the_drafted_tokens(client):
+    anchors = [20, 12]
+    entries = [
+        entry("a", anchors[0], count=20, reset=True),
+        entry("b", anchors[1], count=12, reset=True, anchor_token_id=99),
+    ]
+    header, frames = _propose(client, entries, return_logits=True)
+    assert header["ok"] and len(frames) == 1
+    full = _logits_of(header, frames, LogitsFormat(VOCAB, 0), anchors)
+    values = _bf16(full.values)
+    tokens = torch.tensor(header["tokens"])
+    # The engine drafts the argmax of its logits: the bf16 value of each
+    # drafted token is its slot's maximum.
+    assert torch.equal(values.gather(-1, tokens[..., None])[..., 0], values.amax(-1))
+    assert full.positions.tolist() == [[21, 22, 23], [13, 14, 15]]
+    # Same state, same anchors: the top-k reply slices the same logits.
+    again = [dict(e, reset=False, context_count=0) for e in entries]
+    header, frames = _propose(client, again, return_logits=True, logits_topk=8)
+    topk = _logits_of(header, frames, LogitsFormat(VOCAB, 8), anchors)
+    assert topk.ids is not None
+    ids = torch.from_numpy(topk.ids.astype(np.int64))
+    assert torch.equal(_bf16(topk.values), values.gather(-1, ids))
+    assert torch.equal(
+        _bf16(topk.values).sort(-1).values, values.topk(8, -1).values.sort(-1).values
+    )
+    assert (ids == tokens[..., None]).any(-1).all()
+
+
+def test_slots_past_the_model_length_have_no_sample_position(client):
+    anchor = MAX_LEN - 2
+    header, frames = _propose(
+        client,
+        [entry("end", anchor, count=4, reset=True, reset_position=anchor - 4)],
+        return_logits=True,
+        logits_topk=2,
+    )
+    meta = header["extensions"][0]
+    assert meta["sample_positions"] == [[MAX_LEN - 1, None, None]]
+    decoded = _logits_of(header, frames, LogitsFormat(VOCAB, 2), [anchor])
+    assert decoded.positions.tolist() == [[MAX_LEN - 1, -1, -1]]
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"return_logits": "yes"}, "return_logits must be a boolean"),
+        ({"return_logits": True, "logits_topk": 0}, "logits_topk must be"),
+        ({"return_logits": True, "logits_topk": VOCAB + 1}, "logits_topk must be"),
+        ({"logits_topk": 4}, "needs return_logits"),
+        ({"return_logits": True, "logits_top_k": 4}, "unknown header fields"),
+    ],
+)
+def test_malformed_logits_fields_are_refused_before_any_state_changes(
+    client, fields, match
+):
+    header, frames = _propose(
+        client, [entry("bad", 10, count=10, reset=True)], **fields
+    )
+    assert not header["ok"] and match in header["error"] and frames == []
+    assert client.call(protocol.OP_PING)[0]["active_requests"] == 0

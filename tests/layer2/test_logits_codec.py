@@ -1,0 +1,277 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The draft-logits wire format: bit-exact round trips and every refusal."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.k3_draft.logits_codec import (
+    CAPABILITY_FULL,
+    CAPABILITY_TOPK,
+    LogitsFormat,
+    decode_logits,
+    encode_logits,
+    requested_format,
+    sample_positions,
+)
+from vllm.k3_draft.protocol import ProtocolError, tensor_frame
+
+V, K = 48, 3
+MAX_LEN = 64
+ANCHORS = np.array([5, 61, 20])  # the second request runs past MAX_LEN
+NEG_INF, POS_INF, NAN = -128, 0x7F80, 0x7FC0  # bf16 bit patterns (int16)
+
+
+def _logits(seed: int = 0) -> torch.Tensor:
+    """bf16 logits with every kind of finite value and a masked -inf."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(ANCHORS), K, V, generator=generator) * 8).bfloat16()
+    logits[0, 0, 3] = float("-inf")
+    logits[1, 2, 7] = 1e-40  # subnormal
+    logits[2, 1, 9] = torch.finfo(torch.bfloat16).min
+    return logits
+
+
+def _reply(fmt: LogitsFormat, logits: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    positions = sample_positions(ANCHORS, K, MAX_LEN)
+    meta, frame = encode_logits(logits, fmt, positions)
+    meta.update(capability=fmt.capability, num_frames=1)
+    return meta, bytes(tensor_frame(frame))
+
+
+def _decode(fmt: LogitsFormat, meta: dict[str, Any], frames: list[Any]):
+    return decode_logits(meta, frames, fmt, ANCHORS, K, MAX_LEN)
+
+
+def _bits(logits: torch.Tensor) -> np.ndarray:
+    return logits.contiguous().view(torch.int16).numpy()
+
+
+def test_full_vocabulary_round_trips_bit_for_bit():
+    fmt = LogitsFormat(V, 0)
+    logits = _logits()
+    meta, frame = _reply(fmt, logits)
+    assert meta["capability"] == CAPABILITY_FULL
+    assert meta["shape"] == [3, K, V] and meta["nbytes"] == 3 * K * V * 2
+    assert len(frame) == meta["nbytes"]
+    decoded = _decode(fmt, meta, [frame])
+    assert np.array_equal(decoded.values, _bits(logits)) and decoded.ids is None
+    assert decoded.positions.tolist() == [[6, 7, 8], [62, 63, -1], [21, 22, 23]]
+
+
+def test_float32_engine_logits_are_rounded_to_bf16_once():
+    fmt = LogitsFormat(V, 0)
+    logits = torch.randn(3, K, V, generator=torch.Generator().manual_seed(1))
+    meta, frame = _reply(fmt, logits)
+    decoded = _decode(fmt, meta, [frame])
+    assert np.array_equal(decoded.values, _bits(logits.bfloat16()))
+
+
+@pytest.mark.parametrize("topk", [1, 5, V])
+def test_topk_round_trips_bit_for_bit(topk):
+    fmt = LogitsFormat(V, topk)
+    logits = _logits(topk)
+    meta, frame = _reply(fmt, logits)
+    assert meta["capability"] == CAPABILITY_TOPK
+    assert meta["shape"] == [3, K, topk] and meta["ids_dtype"] == "int32"
+    count = 3 * K * topk
+    assert (meta["values_nbytes"], meta["ids_nbytes"]) == (count * 2, count * 4)
+    assert len(frame) == meta["nbytes"] == count * 6
+    decoded = _decode(fmt, meta, [frame])
+    assert decoded.ids is not None
+    ids = torch.from_numpy(decoded.ids.astype(np.int64))
+    # The values are the logits at the ids, bit for bit, and the largest ones.
+    assert np.array_equal(decoded.values, _bits(logits.gather(-1, ids)))
+    kth = logits.float().topk(topk, dim=-1).values[..., -1:]
+    assert (logits.float().gather(-1, ids) >= kth).all()
+
+
+def test_odd_sized_topk_frame_is_unaligned_and_still_decodes():
+    anchors = np.array([3])
+    fmt = LogitsFormat(V, 3)
+    logits = _logits()[:1, :1]
+    meta, frame = encode_logits(logits, fmt, sample_positions(anchors, 1, MAX_LEN))
+    meta.update(capability=fmt.capability, num_frames=1)
+    decoded = decode_logits(
+        meta, [bytes(tensor_frame(frame))], fmt, anchors, 1, MAX_LEN
+    )
+    assert meta["values_nbytes"] == 6  # ids start at an offset of 6 bytes
+    assert decoded.ids is not None and sorted(decoded.ids.ravel()) == sorted(
+        logits[0, 0].float().topk(3).indices.tolist()
+    )
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _full_case() -> tuple[LogitsFormat, dict[str, Any], bytes]:
+    fmt = LogitsFormat(V, 0)
+    return (fmt, *_reply(fmt, _logits()))
+
+
+def _topk_case() -> tuple[LogitsFormat, dict[str, Any], bytes]:
+    fmt = LogitsFormat(V, 4)
+    return (fmt, *_reply(fmt, _logits()))
+
+
+def _set_value(frame: bytes, index: int, bits: int) -> bytes:
+    values = np.frombuffer(frame, dtype="<i2").copy()
+    values[index] = np.int16(np.uint16(bits).view(np.int16))
+    return values.tobytes()
+
+
+def _set_id(frame: bytes, values_nbytes: int, index: int, token: int) -> bytes:
+    ids = np.frombuffer(frame, dtype="<i4", offset=values_nbytes).copy()
+    ids[index] = token
+    return frame[:values_nbytes] + ids.tobytes()
+
+
+def test_truncated_frame_is_refused():
+    fmt, meta, frame = _full_case()
+    with pytest.raises(ProtocolError, match="frame has .* bytes, expected"):
+        _decode(fmt, meta, [frame[:-2]])
+
+
+def test_oversized_frame_is_refused():
+    fmt, meta, frame = _topk_case()
+    with pytest.raises(ProtocolError, match="frame has .* bytes, expected"):
+        _decode(fmt, meta, [frame + b"\0\0"])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("dtype", "float32"), ("dtype", "fp16"), ("ids_dtype", "int64")],
+)
+def test_wrong_dtype_is_refused(field, value):
+    fmt, meta, frame = _topk_case()
+    meta[field] = value
+    with pytest.raises(ProtocolError, match=field):
+        _decode(fmt, meta, [frame])
+
+
+@pytest.mark.parametrize("bits", [NAN, 0xFFC1, 0x7F81])
+def test_nan_is_refused(bits):
+    fmt, meta, frame = _full_case()
+    with pytest.raises(ProtocolError, match="NaN"):
+        _decode(fmt, meta, [_set_value(frame, 100, bits)])
+
+
+def test_positive_infinity_is_refused():
+    fmt, meta, frame = _topk_case()
+    with pytest.raises(ProtocolError, match=r"\+inf"):
+        _decode(fmt, meta, [_set_value(frame, 2, POS_INF)])
+
+
+def test_slot_without_a_finite_logit_is_refused():
+    fmt, meta, frame = _topk_case()
+    for index in range(4, 8):  # every value of slot [0, 1]
+        frame = _set_value(frame, index, NEG_INF & 0xFFFF)
+    with pytest.raises(ProtocolError, match="without a finite logit"):
+        _decode(fmt, meta, [frame])
+
+
+@pytest.mark.parametrize("token", [-1, V, 1 << 30])
+def test_out_of_vocabulary_id_is_refused(token):
+    fmt, meta, frame = _topk_case()
+    frame = _set_id(frame, meta["values_nbytes"], 5, token)
+    with pytest.raises(ProtocolError, match="outside the vocabulary"):
+        _decode(fmt, meta, [frame])
+
+
+def test_repeated_id_in_a_slot_is_refused():
+    fmt, meta, frame = _topk_case()
+    first = int(np.frombuffer(frame, dtype="<i4", offset=meta["values_nbytes"])[8])
+    frame = _set_id(frame, meta["values_nbytes"], 9, first)
+    with pytest.raises(ProtocolError, match="repeat"):
+        _decode(fmt, meta, [frame])
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.update(shape=[3, K, V - 1]), "shape"),
+        (lambda m: m.update(shape=[3, K + 1, V]), "shape"),
+        (lambda m: m.update(shape=[3.0, K, V]), "shape"),
+        (lambda m: m.update(nbytes=m["nbytes"] + 2), "nbytes"),
+        (lambda m: m.update(capability=CAPABILITY_TOPK), "entry is"),
+        (lambda m: m.update(num_frames=2), "frames"),
+        (lambda m: m.update(extra=1), "fields"),
+        (lambda m: m.pop("sample_positions"), "fields"),
+        (lambda m: m["sample_positions"][1].__setitem__(2, 64), "sample_positions"),
+        (lambda m: m["sample_positions"][0].__setitem__(0, 7), "sample_positions"),
+        (lambda m: m["sample_positions"].pop(), "sample_positions"),
+    ],
+)
+def test_metadata_that_does_not_match_the_request_is_refused(edit, match):
+    fmt, meta, frame = _full_case()
+    meta = copy.deepcopy(meta)
+    edit(meta)
+    with pytest.raises(ProtocolError, match=match):
+        _decode(fmt, meta, [frame])
+
+
+def test_boolean_sample_position_is_refused():
+    fmt = LogitsFormat(V, 0)
+    anchors = np.array([0])
+    meta, frame = encode_logits(_logits()[:1], fmt, sample_positions(anchors, K, 8))
+    meta.update(capability=fmt.capability, num_frames=1)
+    meta["sample_positions"] = [[True, 2, 3]]
+    with pytest.raises(ProtocolError, match="sample_positions"):
+        decode_logits(meta, [bytes(tensor_frame(frame))], fmt, anchors, K, 8)
+
+
+def test_missing_frame_is_refused():
+    fmt, meta, _ = _full_case()
+    with pytest.raises(ProtocolError, match="carries 0 frames"):
+        _decode(fmt, meta, [])
+
+
+# ------------------------------------------------------------ the request
+
+
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        ({}, None),
+        ({"return_logits": False}, None),
+        ({"return_logits": True}, LogitsFormat(V, 0)),
+        ({"return_logits": True, "logits_topk": 7}, LogitsFormat(V, 7)),
+        ({"return_logits": True, "logits_topk": V}, LogitsFormat(V, V)),
+    ],
+)
+def test_requested_format(header, expected):
+    assert requested_format(header, V) == expected
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"return_logits": 1},
+        {"return_logits": "yes"},
+        {"logits_topk": 4},
+        {"return_logits": False, "logits_topk": 4},
+        {"return_logits": True, "logits_topk": 0},
+        {"return_logits": True, "logits_topk": V + 1},
+        {"return_logits": True, "logits_topk": True},
+        {"return_logits": True, "logits_topk": 2.0},
+    ],
+)
+def test_malformed_request_fields_are_refused(header):
+    with pytest.raises(ProtocolError):
+        requested_format(header, V)
+
+
+def test_format_bounds():
+    with pytest.raises(ValueError, match="top-k"):
+        LogitsFormat(V, V + 1)
+    assert LogitsFormat(V, 0).request_fields() == {"return_logits": True}
+    assert LogitsFormat(V, 9).request_fields() == {
+        "return_logits": True,
+        "logits_topk": 9,
+    }

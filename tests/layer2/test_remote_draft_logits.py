@@ -1,0 +1,441 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The verifier half: ``RemoteDraftLogits`` inside the real
+``RemoteK3DSparkSpeculator`` (real VllmConfig and InputBatch) against a real
+draft server process, its fail-closed path against a scripted server, the
+TP broadcast between ranks, and ``VLLM_K3_DRAFT_LOGITS_TOPK``.
+
+Upstream's Triton ``gumbel_sample`` is replaced by its CPU reference
+(``reference_gumbel``); these tests check what the extension feeds it.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from k3_l2_reference import gumbel_sample
+from toy_target import (
+    HIDDEN,
+    MAX_MODEL_LEN,
+    NUM_AUX,
+    WIDTH,
+    DraftOracle,
+    make_input_batch,
+)
+
+from vllm import envs
+from vllm.k3_draft import protocol
+from vllm.k3_draft.client import IncompatibleServerError
+from vllm.k3_draft.logits_codec import (
+    CAPABILITY_FULL,
+    CAPABILITY_TOPK,
+    LogitsFormat,
+    encode_logits,
+    sample_positions,
+)
+from vllm.k3_draft.plan import Proposal
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+    FILL,
+    RemoteDraftLogits,
+)
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
+    PublishContext,
+    RemoteStep,
+)
+
+pytest_plugins = ("conftest_client",)
+
+K = 3
+VOCAB = 1024
+ROWS = (3, 5)  # request-state rows of the requests "a" and "b"
+# The server's batched float32 logits and the oracle's differ in the last
+# bits, which can move their bf16 rounding by one unit (relative 2**-8).
+BF16_ULP = 2.0**-7
+
+
+@pytest.fixture
+def probabilistic(vllm_config_factory, monkeypatch) -> Any:
+    """The toy VllmConfig with draft_sample_method='probabilistic'."""
+    monkeypatch.delenv("VLLM_K3_DRAFT_LOGITS_TOPK", raising=False)
+    config = copy.copy(vllm_config_factory())
+    config.speculative_config = copy.copy(config.speculative_config)
+    config.speculative_config.draft_sample_method = "probabilistic"
+    return config
+
+
+def _step(
+    speculator: Any,
+    starts: tuple[int, int] = (10, 20),
+    temperature: tuple[float, float] = (0.0, 0.8),
+    seeds: tuple[int, int] = (11, -(2**40)),
+    **kwargs: Any,
+) -> torch.Tensor:
+    """One step of two decoding requests (table rows ``ROWS``) scheduled from
+    ``starts`` with K + 1 tokens each, of which 2 and 1 are valid context:
+    their anchors are at ``starts[0] + 2`` and ``starts[1] + 1``."""
+    n, per = 2, K + 1
+    input_batch = make_input_batch(
+        ["a", "b"],
+        np.array(ROWS),
+        np.array([0, per, 2 * per], dtype=np.int32),
+        torch.cat([torch.arange(s, s + per) for s in starts]),
+        n * per,
+    )
+    aux = [torch.zeros(n * per, HIDDEN) for _ in range(NUM_AUX)]
+    temp = torch.zeros(8)
+    temp[list(ROWS)] = torch.tensor(temperature)
+    seed = torch.zeros(8, dtype=torch.int64)
+    seed[list(ROWS)] = torch.tensor(seeds)
+    return speculator.propose(
+        input_batch,
+        {},
+        {},
+        aux[0],
+        aux,
+        torch.tensor([2, 1], dtype=torch.int32),
+        torch.tensor([2, 3], dtype=torch.int32),
+        torch.zeros(8, 1, dtype=torch.int64),
+        torch.zeros(1, 8, dtype=torch.int32),
+        temp,
+        seed,
+        **kwargs,
+    ).clone()
+
+
+@pytest.fixture(scope="module")
+def oracle_logits() -> torch.Tensor:
+    """The reference draft's logits ``[2, K, V]`` for ``_step``'s requests."""
+    oracle = DraftOracle()
+    rows = torch.zeros(2, WIDTH, dtype=torch.bfloat16)
+    return torch.stack(
+        [
+            oracle.expected(rows[:2], 10, 0, 12, K),
+            oracle.expected(rows[:1], 20, 0, 21, K),
+        ]
+    )
+
+
+def _expected_drafts(cache: torch.Tensor, anchors, temperature, seeds) -> torch.Tensor:
+    """What upstream's sampler draws from the cached rows of ``ROWS`` on the
+    standard draft stream: seed mixed with the slot, keyed by anchor + j."""
+    rows = cache[list(ROWS)].reshape(2 * K, -1)
+    temp = torch.zeros(8)
+    temp[list(ROWS)] = torch.tensor(temperature)
+    seed = torch.zeros(8, dtype=torch.int64)
+    seed[list(ROWS)] = torch.tensor(seeds)
+    positions = torch.tensor([[a + j for j in range(K)] for a in anchors])
+    return gumbel_sample(
+        rows,
+        torch.tensor(ROWS).repeat_interleave(K),
+        temp,
+        seed,
+        positions.view(-1),
+        apply_temperature=True,
+        is_drafting=True,
+        logits_cache=torch.empty_like(cache),
+        logits_cache_col=torch.arange(K, dtype=torch.int32).repeat(2),
+    ).view(2, K)
+
+
+def _untouched(cache: torch.Tensor, rows) -> bool:
+    return bool((cache[list(rows)] == FILL).all())
+
+
+def test_greedy_config_keeps_layer_1_behaviour(
+    make_speculator, vllm_config_factory, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address, vllm_config_factory())
+    assert speculator.draft_logits is None and speculator.extensions == []
+    _step(speculator)
+    propose = scripted_server.log[-1][1]
+    assert "return_logits" not in propose and "logits_topk" not in propose
+
+
+def test_full_vocabulary_drafts_sample_the_wire_logits(
+    make_speculator, probabilistic, reference_server, reference_gumbel, oracle_logits
+):
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    cache = speculator.draft_logits
+    assert cache.shape == (8, K, VOCAB) and cache.dtype == torch.bfloat16
+    assert _untouched(cache, range(8))
+    drafts = _step(speculator)
+    # The cache rows of both requests hold the server's bf16 logits.
+    torch.testing.assert_close(
+        cache[list(ROWS)].float(), oracle_logits, rtol=BF16_ULP, atol=1e-6
+    )
+    assert _untouched(cache, set(range(8)) - set(ROWS))
+    # Greedy request: the argmax. Sampled request: upstream's draw on the
+    # standard draft stream.
+    assert torch.equal(drafts[0], cache[ROWS[0]].float().argmax(-1))
+    expected = _expected_drafts(cache, (12, 21), (0.0, 0.8), (11, -(2**40)))
+    assert torch.equal(drafts, expected)
+
+
+def test_topk_drafts_are_zero_outside_the_slice(
+    make_speculator,
+    probabilistic,
+    reference_server,
+    reference_gumbel,
+    oracle_logits,
+    monkeypatch,
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", "8")
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    seeds = (5, 6)
+    drafts = _step(speculator, temperature=(1.3, 0.6), seeds=seeds)
+    cache = speculator.draft_logits[list(ROWS)].float()
+    kept = cache != FILL
+    assert (kept.sum(-1) == 8).all()
+    # The kept entries are the draft's top 8, at their bf16 values.
+    oracle = oracle_logits
+    kth = oracle.topk(8, -1).values[..., -1:].expand_as(oracle)
+    assert (oracle[kept] >= kth[kept] * (1 - 2 * BF16_ULP)).all()
+    torch.testing.assert_close(cache[kept], oracle[kept], rtol=BF16_ULP, atol=1e-6)
+    assert kept.gather(-1, drafts[..., None]).all()
+    expected = _expected_drafts(speculator.draft_logits, (12, 21), (1.3, 0.6), seeds)
+    assert torch.equal(drafts, expected)
+
+
+def test_slots_without_a_sample_position_keep_no_draft_and_their_row(
+    make_speculator, probabilistic, reference_server, reference_gumbel
+):
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    cache = speculator.draft_logits
+    # Request "a" ends two positions before the model length: only its first
+    # slot has a sample position. A step of width 2 drafts no third slot.
+    end = MAX_MODEL_LEN - 4
+    drafts = _step(speculator, starts=(end, 20), temperature=(0.9, 0.9))
+    assert (drafts[0, 0] >= 0) and (drafts[0, 1:] == -1).all()
+    assert (drafts[1] >= 0).all()
+    assert (cache[ROWS[0], 1:] == FILL).all() and (cache[ROWS[0], 0] != FILL).any()
+    speculator2, _ = make_speculator(reference_server.address, probabilistic)
+    drafts = _step(speculator2, num_speculative_tokens=2)
+    assert (drafts[:, :2] >= 0).all() and (drafts[:, 2] == -1).all()
+    assert (speculator2.draft_logits[list(ROWS), 2] == FILL).all()
+
+
+# ------------------------------------------------------------- fail closed
+
+
+def _scripted_propose(header: dict[str, Any], corrupt: str) -> list[bytes]:
+    """A PROPOSE reply with logits of ``header``'s requests, then broken."""
+    requests = header["requests"]
+    k = header["num_speculative_tokens"]
+    fmt = LogitsFormat(VOCAB, header.get("logits_topk", 0))
+    anchors = [r["anchor_position"] for r in requests]
+    logits = torch.randn(len(requests), k, VOCAB, generator=torch.Generator())
+    meta, frame = encode_logits(
+        logits, fmt, sample_positions(anchors, k, MAX_MODEL_LEN)
+    )
+    data = bytearray(protocol.tensor_frame(frame))
+    if corrupt == "nan":
+        data[0:2] = b"\xc0\x7f"
+    elif corrupt == "oov":
+        data[meta["values_nbytes"] : meta["values_nbytes"] + 4] = (VOCAB).to_bytes(
+            4, "little"
+        )
+    elif corrupt == "short":
+        data = data[:-1]
+    elif corrupt == "positions":
+        meta["sample_positions"][0][0] += 1
+    entries = [{**meta, "capability": fmt.capability, "num_frames": 1}]
+    if corrupt == "missing":
+        entries, data = [], bytearray()
+    reply = protocol.ok_reply(
+        protocol.OP_PROPOSE,
+        tokens=logits.argmax(-1).tolist(),
+        latency_ms=0.1,
+        timing_ms=dict.fromkeys(protocol.TIMING_FIELDS, 0.0),
+        extensions=entries,
+    )
+    return [protocol.encode_header(reply), *([bytes(data)] if data else [])]
+
+
+@pytest.mark.parametrize(
+    "corrupt, topk",
+    [
+        ("none", 0),
+        ("nan", 0),
+        ("short", 0),
+        ("positions", 0),
+        ("missing", 0),
+        ("none", 16),
+        ("oov", 16),
+        ("nan", 16),
+    ],
+)
+def test_a_malformed_logits_reply_fails_the_step_closed(
+    make_speculator,
+    probabilistic,
+    scripted_server,
+    reference_gumbel,
+    monkeypatch,
+    corrupt,
+    topk,
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
+    scripted_server.pong["capabilities"] = [CAPABILITY_FULL, CAPABILITY_TOPK]
+    scripted_server.handlers[protocol.OP_PROPOSE] = lambda header, frames: (
+        _scripted_propose(header, corrupt)
+    )
+    speculator, _ = make_speculator(scripted_server.address, probabilistic)
+    drafts = _step(speculator, temperature=(0.7, 0.7))
+    request = scripted_server.log[-1][1]
+    assert request["return_logits"] is True
+    assert request.get("logits_topk", 0) == topk
+    if corrupt == "none":
+        assert (drafts >= 0).all() and not _untouched(speculator.draft_logits, ROWS)
+        return
+    assert (drafts == -1).all()
+    assert _untouched(speculator.draft_logits, range(8))
+    assert all(speculator.plan.retained[rid].stale for rid in ("a", "b"))
+    before = len(scripted_server.ops())
+    _step(speculator, starts=(12, 21))
+    assert scripted_server.ops()[before : before + 2] == ["PING", "FREE"]
+
+
+def test_server_without_the_capability_is_refused_at_init(
+    make_speculator, probabilistic, scripted_server
+):
+    scripted_server.pong["capabilities"] = [CAPABILITY_TOPK]
+    with pytest.raises(IncompatibleServerError, match=CAPABILITY_FULL):
+        make_speculator(scripted_server.address, probabilistic)
+
+
+# ----------------------------------------------------- ranks and staging
+
+
+class _Rank0:
+    rank_in_group, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.sent.append(tensor.clone())
+        return tensor
+
+
+class _Rank1:
+    rank_in_group, world_size = 1, 2
+
+    def __init__(self, sent: list[torch.Tensor]) -> None:
+        self.sent = list(sent)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        tensor.copy_(self.sent.pop(0))
+        return tensor
+
+
+def _reply_for(fmt: LogitsFormat, proposal: Proposal, seed: int):
+    logits = torch.randn(
+        len(proposal.request_ids),
+        proposal.num_speculative_tokens,
+        fmt.vocab_size,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    positions = sample_positions(
+        proposal.anchor_positions, proposal.num_speculative_tokens, 64
+    )
+    meta, frame = encode_logits(logits, fmt, positions)
+    meta.update(capability=fmt.capability, num_frames=1)
+    return meta, [bytes(protocol.tensor_frame(frame))]
+
+
+def _context(drafts: torch.Tensor, idx: list[int]) -> PublishContext:
+    step = RemoteStep(
+        input_batch=SimpleNamespace(idx_mapping=torch.tensor(idx)),
+        num_reqs=len(idx),
+        num_speculative_tokens=K,
+        temperature=torch.full((8,), 0.9),
+        seeds=torch.arange(8) * 1000,
+        staged=None,
+    )
+    return PublishContext(step, drafts)
+
+
+@pytest.mark.parametrize("topk", [0, 5])
+def test_every_rank_publishes_the_same_drafts_and_cache(reference_gumbel, topk):
+    fmt = LogitsFormat(40, topk)
+    proposal = Proposal(("x", "y"), np.array([2, 0]), np.array([9, 30]), K)
+    rank0 = _Rank0()
+    ext0 = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, rank0)
+    payload = ext0.consume(*_reply_for(fmt, proposal, 1), proposal)
+    drafts0 = torch.full((3, K), -1)
+    ext0.publish(payload, _context(drafts0, [4, 1, 6]))
+    rank1 = _Rank1(rank0.sent)
+    ext1 = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, rank1)
+    drafts1 = torch.full((3, K), -1)
+    ext1.publish(None, _context(drafts1, [4, 1, 6]))
+    assert rank1.sent == [] and len(rank0.sent) == (1 if topk else 2)
+    assert torch.equal(drafts0, drafts1) and torch.equal(
+        ext0.draft_logits, ext1.draft_logits
+    )
+    # Batch row 1 had no reply: no draft, its cache row (request 1) untouched.
+    assert (drafts0[1] == -1).all() and (drafts0[[0, 2]] >= 0).all()
+    assert _untouched(ext0.draft_logits, [0, 1, 2, 3, 5, 7])
+
+
+def test_two_consumed_replies_publish_their_own_logits(one_rank, reference_gumbel):
+    """Two staging slots: a reply consumed while the previous one still awaits
+    publish (deferred resolution) does not overwrite it."""
+    fmt = LogitsFormat(40, 0)
+    first = Proposal(("x",), np.array([0]), np.array([9]), K)
+    second = Proposal(("x",), np.array([0]), np.array([10]), K)
+    reference = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+    deferred = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+    expected = []
+    for proposal, seed in ((first, 1), (second, 2)):
+        drafts = torch.full((1, K), -1)
+        reference.publish(
+            reference.consume(*_reply_for(fmt, proposal, seed), proposal),
+            _context(drafts, [2]),
+        )
+        expected.append((drafts, reference.draft_logits.clone()))
+    payloads = [
+        deferred.consume(*_reply_for(fmt, p, seed), p)
+        for p, seed in ((first, 1), (second, 2))
+    ]
+    for payload, (drafts, cache) in zip(payloads, expected):
+        got = torch.full((1, K), -1)
+        deferred.publish(payload, _context(got, [2]))
+        assert torch.equal(got, drafts) and torch.equal(deferred.draft_logits, cache)
+
+
+# ------------------------------------------------------------------ envs
+
+
+def test_topk_variable(monkeypatch):
+    monkeypatch.delenv("VLLM_K3_DRAFT_LOGITS_TOPK", raising=False)
+    assert envs.VLLM_K3_DRAFT_LOGITS_TOPK == 0
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", "64")
+    assert envs.VLLM_K3_DRAFT_LOGITS_TOPK == 64
+
+
+@pytest.mark.parametrize(
+    "value, match", [("abc", "not an integer"), ("-1", "at least 0")]
+)
+def test_malformed_topk_variable_names_it(monkeypatch, value, match):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", value)
+    with pytest.raises(ValueError, match=f"VLLM_K3_DRAFT_LOGITS_TOPK.*{match}"):
+        _ = envs.VLLM_K3_DRAFT_LOGITS_TOPK
+
+
+def test_topk_above_the_vocabulary_is_a_startup_error(
+    make_speculator, probabilistic, scripted_server, monkeypatch
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(VOCAB + 1))
+    with pytest.raises(ValueError, match="VLLM_K3_DRAFT_LOGITS_TOPK=1025 exceeds"):
+        make_speculator(scripted_server.address, probabilistic)
+
+
+def test_topk_variable_does_not_change_compile_factors(monkeypatch):
+    monkeypatch.delenv("VLLM_K3_DRAFT_LOGITS_TOPK", raising=False)
+    before = envs.compile_factors()
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", "64")
+    assert envs.compile_factors() == before
