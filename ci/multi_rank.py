@@ -702,9 +702,11 @@ def _time_merge(
             ms = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
             times.append(ms)
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    median = torch.tensor(
+        [statistics.median(times)], dtype=torch.float64, device=device
+    )
     medians = [torch.empty_like(median) for _ in range(dist.get_world_size())]
-    dist.all_gather(medians, median.to(device))
+    dist.all_gather(medians, median)
     return {
         "rows": rows,
         "heads": heads,
