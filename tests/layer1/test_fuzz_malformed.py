@@ -104,7 +104,10 @@ def bad_propose_field(rng: random.Random, serial: int) -> Frames:
             [-2, -1, 1, 3]
         )
     else:
-        fields[rng.choice(["return_logits", "logits_topk", "x", "requests_"])] = True
+        # Wrong under every layer: unknown names, or a capability field
+        # (layer 2's return_logits / logits_topk) with a value of no valid type.
+        name = rng.choice(["return_logits", "logits_topk", "x", "requests_"])
+        fields[name] = {"malformed": True}
     return [json.dumps(fields).encode(), *frames[1:]]
 
 
