@@ -394,7 +394,36 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
                 stack, pin, layer, tree, wheel, site0, base, args.python, work, out
             )
         )
+    if upto > 1:
+        rows.append(lower_suites_on_top(stack, upto, args.python, work, out))
     _finish(rows, out, start)
+
+
+def lower_suites_on_top(
+    stack: Stack, upto: int, python: str, work: Path, out: Path
+) -> Row:
+    """The suites of layers 1..upto-1 on prefix 1..upto: a higher layer must
+    not break a lower one (each prefix row ran only its own layer's suite)."""
+    row = Row(f"suites 1..{upto - 1} on 1..{upto}", applies="yes", upstream="n/a")
+    suites = [
+        p
+        for layer in stack.upto(upto - 1)
+        for p in layer.patch.suite
+        if (stack.root / p).exists()
+    ]
+    site = work / f"site-{upto}"
+    if not suites or not site.exists():
+        row.focused = "no lower suites"
+        return row
+    print(f"qualify: suites of layers 1..{upto - 1} on the 1..{upto} install")
+    junit = out / f"lower-suites-on-{upto}.xml"
+    code, outcomes = run_pytest(python, stack.root, site, suites, junit, [])
+    p, f = outcomes.count("passed"), outcomes.count("failed")
+    row.imports = "ok"
+    row.focused = f"{p} passed, {f} failed"
+    row.passed, row.failed = p, f
+    row.ok = code == 0 and p > 0
+    return row
 
 
 def _finish(rows: list[Row], out: Path, start: float) -> None:
