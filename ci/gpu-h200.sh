@@ -23,6 +23,11 @@ timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu \
   tests/layer1/test_reference_engine.py tests/layer3/test_stream_gate_gpu.py \
   tests/layer4/test_slot_mapping_gpu.py tests/layer5/test_fused_mla_verify_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.txt" | tail -20 || status=1
+# Multi-rank checks (TP broadcast, DCP merge, replicated draft) at every
+# power-of-two world size the GPUs allow, NCCL with NVLink multicast off.
+sizes=$(python3 -c "import torch; n=torch.cuda.device_count(); print(','.join(str(2**i) for i in range(4) if 2**i <= n))")
+timeout 300 python3 ci/multi_rank.py --world-sizes "$sizes" --out "$OUT/multi-rank.json" \
+  2>&1 | tee "$OUT/multi-rank.txt" | tail -20 || status=1
 if [ "${K3_GPU_BENCH:-1}" = 1 ]; then
   timeout 200 python3 bench/bench_deferred_resolve.py --steps 60 \
     --out "$OUT/deferred.json" 2>&1 | tee "$OUT/bench-deferred.txt" | tail -30 || status=1
