@@ -963,6 +963,8 @@ def check_replicated_draft(rank: int, n: int, device: Any) -> dict[str, Any]:
         torch.cat([rep_o.flatten(), rep_lse.flatten()])
     )
     shard_o, shard_lse = _rank_draft_attention(kernels, True, rank, n, q, k, v)
+    # NCCL gathers contiguous tensors only.
+    shard_o, shard_lse = shard_o.contiguous(), shard_lse.contiguous()
     # Sharded partials merged by LSE (what the target does, the draft does not).
     lses = [torch.empty_like(shard_lse) for _ in range(dist.get_world_size())]
     outs = [torch.empty_like(shard_o) for _ in range(dist.get_world_size())]
