@@ -5,35 +5,62 @@
 ``DeferredResolution`` is a ``ResolutionStrategy`` of
 ``RemoteK3DSparkSpeculator``. For a step the runner found eligible
 (``synchronous_reason`` is None), ``resolve`` returns at once: rank 0 runs the
-speculator's ``exchange`` on a reply thread that fills pinned staging memory,
-and every rank records the pending proposal. The next ``execute_model`` calls
-``consume`` before any request slot is freed or reused: rank 0 parks its
-stream behind a ``ReplyGate`` (CUDA: a ``stream_gate.StreamGate``), then every
-rank enqueues, in the same order, the copy from staging, the TP broadcast and
-the runner's store of the draft tokens and their output copy. The host never
-waits for the reply.
+speculator's ``exchange`` on a reply thread that fills pinned staging memory
+(the draft tokens here; each ``ProposeExtension``'s ``consume`` fills its own
+staging, e.g. layer 2's logits and sample positions), and every rank records
+the pending proposal. The next ``execute_model`` calls ``consume`` before any
+request slot is freed or reused: rank 0 parks its stream behind a
+``ReplyGate`` (CUDA: a ``stream_gate.StreamGate``), then every rank enqueues,
+in the same order, behind the gate:
+
+1. the copy of the draft tokens from staging (rank 0);
+2. their TP broadcast from rank 0;
+3. each extension's ``publish`` in registration order (layer 2: copy of its
+   staging, broadcasts, top-k scatter, masked Gumbel sampling that rewrites
+   the draft tokens and the draft-logits cache);
+4. the runner's store of the draft tokens into the request state, the input
+   ids and their output copy.
+
+That is the order of ``ImmediateResolution`` (``speculator.publish``), so
+deferred and immediate resolution give the same draft state.
 
 Two staging slots alternate; a slot is reused only after its proposal was
-consumed and its reply thread returned. A failing reply stages no draft (-1)
-for the whole step, still releases the gate, and marks the step's requests
-stale in the plan (layer 1's fail-closed path: FREE and cold bootstrap).
+consumed and its reply thread returned. Rank 0 enqueues an extension's
+``publish`` before its reply may have arrived, so it must know at enqueue
+time which staging the reply thread's ``consume`` will fill: layer 3 drives
+that choice (``_ExtensionStaging``). An extension is deferral-safe when it
+offers that (``DeferrableExtension``) or is layer 2's ``RemoteDraftLogits``;
+any other extension keeps the synchronous path.
+
+A failing reply (exchange raises, the PROPOSE fails, or an extension's
+``consume`` raises ``ProtocolError``) stages no draft (-1) for the whole step,
+empties every extension's staging of the slot, still releases the gate, and
+marks the step's requests stale in the plan (layer 1's fail-closed path: FREE
+and cold bootstrap). Rank 0 publishes ``None`` when the failure is known at
+enqueue time, else the emptied staging (same device effect: no sample
+position, no draft, cache rows untouched).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from vllm import envs
-from vllm.k3_draft.plan import NO_DRAFT
+from vllm.k3_draft.plan import NO_DRAFT, ProposeExtension
+from vllm.k3_draft.protocol import ProtocolError
 from vllm.k3_draft.stream_gate import ReplyGate, StreamGate
 from vllm.logger import init_logger
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+    RemoteDraftLogits,
+)
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
+    PublishContext,
     RemoteK3DSparkSpeculator,
     RemoteStep,
 )
@@ -66,8 +93,8 @@ def synchronous_reason(
     built (input ids not combined late);
     ``host_copy_required``: the scheduler reads the draft ids on the host
     right after the step (structured outputs, synchronous scheduling);
-    ``extensions``: a ``ProposeExtension`` publishes host payloads that
-    cannot be staged behind the gate.
+    ``extensions``: a ``ProposeExtension`` that is not deferral-safe (see
+    ``extension_staging``) is enabled.
     """
     reasons = (
         (not warmed, "kernels not warmed up"),
@@ -76,18 +103,103 @@ def synchronous_reason(
         (capacity_manager, "verification-capacity manager"),
         (host_copy_required, "host copy of the draft required"),
         (pipeline_parallel, "pipeline parallelism"),
-        (extensions, "propose extensions"),
+        (extensions, "propose extensions that are not deferral-safe"),
     )
     return next((reason for applies, reason in reasons if applies), None)
 
 
+@runtime_checkable
+class DeferrableExtension(Protocol):
+    """What a ``ProposeExtension`` offers to be published behind the gate.
+
+    Staging slots are numbered; the reply thread (rank 0) calls
+    ``select_staging(i)`` before the step's RPCs, so that ``consume`` fills
+    slot ``i`` and returns ``staged_payload(i)``; ``clear_staging(i)`` makes
+    slot ``i`` publish no draft (failed or absent reply). Both must wait for
+    any device copy still reading the slot. ``staged_payload(i)`` is handed to
+    ``publish`` on rank 0 while the reply is still outstanding (the copy it
+    enqueues runs behind the gate, after the reply thread filled or cleared
+    the slot)."""
+
+    deferral_safe: bool
+
+    def select_staging(self, index: int) -> None: ...
+
+    def staged_payload(self, index: int) -> Any: ...
+
+    def clear_staging(self, index: int) -> None: ...
+
+
+class _ExtensionStaging:
+    """Layer 3's handle on one deferral-safe extension's staging slots."""
+
+    def __init__(self, extension: ProposeExtension) -> None:
+        self.extension = extension
+        self.capability = extension.capability
+
+    def select(self, index: int) -> None:
+        assert isinstance(self.extension, DeferrableExtension)
+        self.extension.select_staging(index)
+
+    def staged(self, index: int) -> Any:
+        assert isinstance(self.extension, DeferrableExtension)
+        return self.extension.staged_payload(index)
+
+    def clear(self, index: int) -> None:
+        assert isinstance(self.extension, DeferrableExtension)
+        self.extension.clear_staging(index)
+
+
+class _DraftLogitsStaging(_ExtensionStaging):
+    """Layer 2's ``RemoteDraftLogits``: it alternates its staging slots by
+    itself (round robin on every ``consume``) and offers no way to choose one,
+    so this adapter sets its cursor (``_next``) before each deferred reply and
+    empties a slot's sample positions (``_staging[i].rows.positions``) on
+    failure. Without that, a PROPOSE that never reaches ``consume`` (failure,
+    no request sent, server offline) would leave layer 2's cursor one slot
+    behind layer 3's."""
+
+    extension: RemoteDraftLogits
+
+    def _slot(self, index: int) -> Any:
+        staging = self.extension._staging
+        return staging[index % len(staging)]
+
+    def select(self, index: int) -> None:
+        self.extension._next = index % len(self.extension._staging)
+
+    def staged(self, index: int) -> Any:
+        return self._slot(index)
+
+    def clear(self, index: int) -> None:
+        slot = self._slot(index)
+        if slot.copied is not None:
+            slot.copied.synchronize()
+        slot.rows.positions.fill_(-1)
+
+
+def extension_staging(extension: ProposeExtension) -> _ExtensionStaging | None:
+    """The staging handle of a deferral-safe ``extension``, else None."""
+    if isinstance(extension, RemoteDraftLogits):
+        return _DraftLogitsStaging(extension)
+    if getattr(extension, "deferral_safe", False) and isinstance(
+        extension, DeferrableExtension
+    ):
+        return _ExtensionStaging(extension)
+    return None
+
+
 @dataclass
 class _Slot:
-    """Rank 0's staging of one deferred reply."""
+    """Rank 0's staging of one deferred reply: the draft tokens here, the
+    extensions' payloads in their own staging slot ``index``."""
 
+    index: int
     tokens: torch.Tensor
     reply: ReplyGate
     done: Future[None] | None = None
+    # By capability, set by the reply thread for a reply that arrived whole.
+    payloads: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,16 +221,21 @@ class DeferredResolution(ImmediateResolution):
         self._slots: list[_Slot] = []
         self._next_slot = 0
         self._executor: ThreadPoolExecutor | None = None
+        # Same on every rank (the extensions are built from the same config).
+        handles = [extension_staging(e) for e in speculator.extensions]
+        self.deferrable = all(handle is not None for handle in handles)
+        self._staging = [handle for handle in handles if handle is not None]
         if speculator.plan is None:
             return
         cuda = speculator.device.type == "cuda"
         shape = (speculator.max_num_reqs, speculator.num_speculative_steps)
         self._slots = [
             _Slot(
+                index,
                 torch.full(shape, NO_DRAFT, dtype=torch.int64, pin_memory=cuda),
                 ReplyGate(StreamGate() if cuda else None),
             )
-            for _ in range(NUM_STAGING_SLOTS)
+            for index in range(NUM_STAGING_SLOTS)
         ]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="k3-draft-reply")
 
@@ -138,7 +255,7 @@ class DeferredResolution(ImmediateResolution):
             host_copy_required=input_batch.has_structured_output_reqs
             or not runner.scheduler_config.async_scheduling,
             pipeline_parallel=runner.pp_handler is not None,
-            extensions=bool(self.speculator.extensions),
+            extensions=not self.deferrable,
         )
         self._defer_next = reason is None
 
@@ -148,6 +265,8 @@ class DeferredResolution(ImmediateResolution):
         assert self._pending is None, "a pending draft reply was not consumed"
         defer, self._defer_next = self._defer_next, False
         if not defer:
+            # The plan runs on one thread at a time, in step order.
+            self._drain()
             return super().resolve(speculator, step)
         slot = None
         if self._slots:
@@ -165,19 +284,39 @@ class DeferredResolution(ImmediateResolution):
         self._pending = _Pending(step, slot)
         return speculator.draft_tokens[: step.num_reqs]
 
+    def _drain(self) -> None:
+        """Wait for every reply thread (rank 0; they never wait for us)."""
+        for slot in self._slots:
+            if slot.done is not None:
+                slot.done.result()
+
     def consume(self, store: Callable[[InputBatch, torch.Tensor, int], None]) -> None:
         """Every rank, before request slots are freed or reused: enqueue the
-        pending reply (gate, staging copy, broadcast), then ``store(input_batch,
-        drafts, num_speculative_tokens)`` of its step. No-op without one."""
+        pending reply (gate, staging copy, broadcast, each extension's
+        ``publish``), then ``store(input_batch, drafts, num_speculative_tokens)``
+        of its step. No-op without one."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         step = pending.step
         drafts = self.speculator.draft_tokens[: step.num_reqs]
-        if pending.slot is not None:
-            pending.slot.reply.wait()
-            drafts.copy_(pending.slot.tokens[: step.num_reqs], non_blocking=True)
+        slot = pending.slot
+        if slot is not None:
+            slot.reply.wait()
+            drafts.copy_(slot.tokens[: step.num_reqs], non_blocking=True)
         self.speculator.tp_group.broadcast(drafts, src=0)
+        context = PublishContext(step, drafts)
+        for extension, handle in zip(self.speculator.extensions, self._staging):
+            payload = None
+            if slot is not None:
+                if slot.reply.delivered:
+                    # Known now: the consumed payload, None when it failed.
+                    payload = slot.payloads.get(handle.capability)
+                else:
+                    # Still outstanding: the staging the reply thread fills
+                    # (or empties) before it releases the gate.
+                    payload = handle.staged(slot.index)
+            extension.publish(payload, context)
         store(step.input_batch, drafts, step.num_speculative_tokens)
 
     # ------------------------------------------------ reply thread (rank 0)
@@ -185,13 +324,34 @@ class DeferredResolution(ImmediateResolution):
     def _fill(self, step: RemoteStep, slot: _Slot) -> None:
         staged = slot.tokens[: step.num_reqs]
         staged.fill_(NO_DRAFT)
+        slot.payloads = {}
+        for handle in self._staging:
+            handle.select(slot.index)
         result = self.speculator.exchange(step)
+        payloads = {} if result is None else result.payloads
+        for handle in self._staging:
+            payload = payloads.get(handle.capability)
+            if payload is None:
+                # No reply for it (failed PROPOSE, nothing sent): no draft.
+                handle.clear(slot.index)
+            elif payload is not handle.staged(slot.index):
+                raise ProtocolError(
+                    f"{handle.capability} consumed into another staging slot "
+                    f"than slot {slot.index} that its publish reads"
+                )
         if result is not None:
             width = result.tokens.shape[1]
             staged[:, :width].copy_(torch.from_numpy(result.tokens))
+        slot.payloads = dict(payloads)
 
     def _fail(self, step: RemoteStep, slot: _Slot, exc: BaseException) -> None:
         slot.tokens[: step.num_reqs].fill_(NO_DRAFT)
+        slot.payloads = {}
+        for handle in self._staging:
+            try:
+                handle.clear(slot.index)
+            except Exception:
+                logger.exception("Clearing %s staging failed", handle.capability)
         plan = self.speculator.plan
         request_ids = [] if step.staged is None else step.staged.request_ids
         logger.warning(

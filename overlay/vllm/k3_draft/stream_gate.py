@@ -145,6 +145,11 @@ class ReplyGate:
         self._done.clear()
         self._parked = False
 
+    @property
+    def delivered(self) -> bool:
+        """Whether ``deliver`` finished (staging final, ``fail`` ran if any)."""
+        return self._done.is_set()
+
     def deliver(
         self,
         fill: Callable[[], None],

@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Deferred resolution with layer 2's probabilistic draft logits, on CPU.
+
+Two real ``RemoteK3DSparkSpeculator`` with ``draft_sample_method=
+"probabilistic"`` (layer 2's ``RemoteDraftLogits`` extension) drive the same
+steps through a real reference draft server (loopback ZeroMQ, logits
+capability on): one resolves immediately, one deferred. Their draft tokens
+and their whole draft-logits caches must be bit-identical after every step,
+at temperatures > 0, full vocabulary and top-k. Upstream's Triton Gumbel
+sampler is replaced by layer 2's CPU reference (``k3_l2_reference``).
+
+On CPU ``consume`` waits on the host for the reply, so rank 0 publishes the
+consumed payload; ``outstanding=True`` makes it publish what it would on CUDA
+when the reply has not arrived yet (the staging slot layer 3 selected for the
+reply thread), which proves that layer 2's and layer 3's staging slots stay in
+step, also across a failed step that never reached layer 2's ``consume``.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import k3_l2_reference
+import numpy as np
+import pytest
+import torch
+from k3_layer1_server import DraftServerProcess
+from toy_target import HIDDEN, NUM_AUX, make_input_batch
+
+from vllm.k3_draft import stream_gate
+from vllm.k3_draft.deferred import (
+    DeferredResolution,
+    extension_staging,
+    install_deferred_resolution,
+)
+from vllm.k3_draft.plan import ProposeExtension
+from vllm.k3_draft.protocol import ProtocolError
+from vllm.v1.worker.gpu.spec_decode.dspark import remote_draft_logits
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+    FILL,
+    RemoteDraftLogits,
+)
+
+pytest_plugins = ("conftest_client",)
+
+K = 3
+SLOTS = [3, 5]
+TEMPERATURES = (0.7, 1.3)
+
+
+@pytest.fixture(scope="module")
+def reference_server(tmp_path_factory: pytest.TempPathFactory):
+    server = DraftServerProcess(tmp_path_factory.mktemp("l3logits")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def reference_gumbel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        remote_draft_logits, "gumbel_sample", k3_l2_reference.gumbel_sample
+    )
+
+
+@pytest.fixture
+def probabilistic(vllm_config_factory, monkeypatch) -> Any:
+    monkeypatch.delenv("VLLM_K3_DRAFT_LOGITS_TOPK", raising=False)
+    config = copy.copy(vllm_config_factory())
+    config.speculative_config = copy.copy(config.speculative_config)
+    config.speculative_config.draft_sample_method = "probabilistic"
+    return config
+
+
+class _Runner:
+    """The runner surface ``select_step`` reads: an eligible step."""
+
+    pcp_manager = adaptive_verification = pp_handler = None
+    scheduler_config = type("S", (), {"async_scheduling": True})()
+
+
+class _Outstanding(stream_gate.ReplyGate):
+    """A host-blocking reply gate that reports the reply as outstanding when
+    ``consume`` asks: rank 0 then publishes the selected staging slot, as on
+    CUDA when the stream is parked before the reply arrived."""
+
+    @property
+    def delivered(self) -> bool:
+        return False
+
+
+def _batch(req_ids: list[str], start: int) -> Any:
+    n, per = len(req_ids), K + 1
+    positions = torch.cat(
+        [torch.arange(start + 10 * i, start + 10 * i + per) for i in range(n)]
+    )
+    return make_input_batch(
+        req_ids,
+        np.array(SLOTS),
+        np.arange(n + 1, dtype=np.int32) * per,
+        positions,
+        n * per,
+    )
+
+
+def _propose(speculator: Any, batch: Any, step: int) -> torch.Tensor:
+    n, rows = batch.num_reqs, batch.num_tokens
+    gen = torch.Generator().manual_seed(step)
+    aux = [torch.randn(rows, HIDDEN, generator=gen) for _ in range(NUM_AUX)]
+    temperature = torch.zeros(8)
+    temperature[SLOTS] = torch.tensor(TEMPERATURES)
+    seeds = torch.arange(8, dtype=torch.int64) * 7919 + 13
+    return speculator.propose(
+        batch,
+        {},
+        {},
+        aux[0],
+        aux,
+        torch.ones(n, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32),
+        torch.arange(8, dtype=torch.int64).reshape(8, 1) + 40 + step,
+        torch.zeros(1, 8, dtype=torch.int32),
+        temperature,
+        seeds,
+        num_speculative_tokens=K,
+    )
+
+
+def _deferred(speculator: Any, outstanding: bool) -> DeferredResolution:
+    strategy = install_deferred_resolution(speculator)
+    assert strategy is not None and strategy.deferrable
+    strategy.warmed = True
+    if outstanding:
+        for slot in strategy._slots:
+            slot.reply = _Outstanding(None)
+    return strategy
+
+
+def _extension(speculator: Any) -> RemoteDraftLogits:
+    (extension,) = speculator.extensions
+    assert isinstance(extension, RemoteDraftLogits)
+    return extension
+
+
+def _record_publish(extension: RemoteDraftLogits, monkeypatch) -> list[Any]:
+    payloads: list[Any] = []
+    publish = extension.publish
+
+    def recording(payload: Any, context: Any) -> None:
+        payloads.append(payload)
+        publish(payload, context)
+
+    monkeypatch.setattr(extension, "publish", recording)
+    return payloads
+
+
+def _fail_consume(extension: RemoteDraftLogits, monkeypatch) -> None:
+    def broken(*args: Any) -> Any:
+        raise ProtocolError("injected: logits frame refused")
+
+    monkeypatch.setattr(extension, "consume", broken)
+
+
+# ------------------------------------------------------------ eligibility
+
+
+def test_layer_2_extension_is_deferral_safe_others_are_not(
+    make_speculator, probabilistic, reference_server
+):
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    assert extension_staging(_extension(speculator)) is not None
+
+    class Opaque(ProposeExtension):
+        capability = "opaque_v1"
+
+        def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
+            return {}
+
+        def consume(self, metadata: Any, frames: Any, proposal: Any) -> Any:
+            return None
+
+    assert extension_staging(Opaque()) is None
+    speculator.extensions.append(Opaque())
+    strategy = install_deferred_resolution(speculator)
+    assert strategy is not None and not strategy.deferrable
+    strategy.warmed = True
+    batch = _batch(["a", "b"], 10)
+    strategy.select_step(_Runner(), batch)
+    assert not strategy._defer_next
+
+
+# ------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("outstanding", [False, True])
+@pytest.mark.parametrize("topk", [0, 16])
+def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
+    make_speculator, probabilistic, reference_server, monkeypatch, topk, outstanding
+):
+    """Over several steps, including one whose logits ``consume`` fails in
+    both verifiers (layer 2's staging cursor does not advance there)."""
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
+    immediate, _ = make_speculator(reference_server.address, probabilistic)
+    deferred_spec, _ = make_speculator(reference_server.address, probabilistic)
+    strategy = _deferred(deferred_spec, outstanding)
+    ext_i, ext_d = _extension(immediate), _extension(deferred_spec)
+    published = _record_publish(ext_d, monkeypatch)
+    failing_step = 2
+    for step in range(6):
+        start = 10 + (K + 1) * step
+        if step == failing_step:
+            _fail_consume(ext_i, monkeypatch)
+            _fail_consume(ext_d, monkeypatch)
+        want = _propose(immediate, _batch(["i0", "i1"], start), step).clone()
+        strategy.select_step(_Runner(), _batch(["d0", "d1"], start))
+        _propose(deferred_spec, _batch(["d0", "d1"], start), step)
+        assert strategy.pending
+        got: list[torch.Tensor] = []
+        strategy.consume(lambda batch, drafts, k, got=got: got.append(drafts.clone()))
+        if step == failing_step:
+            monkeypatch.undo()
+            monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
+            monkeypatch.setattr(
+                remote_draft_logits, "gumbel_sample", k3_l2_reference.gumbel_sample
+            )
+            published = _record_publish(ext_d, monkeypatch)
+            assert (want == -1).all()
+        else:
+            assert (want >= 0).all(), "the reference server drafted nothing"
+            assert published[-1] is not None
+        assert torch.equal(got[0], want)
+        assert torch.equal(ext_d.draft_logits, ext_i.draft_logits)
+    assert not (ext_d.draft_logits[SLOTS] == FILL).all()
+
+
+# ------------------------------------------------------------ failure
+
+
+@pytest.mark.parametrize("outstanding", [False, True])
+@pytest.mark.parametrize("failure", ["reply_thread", "consume"])
+def test_failed_reply_with_logits_publishes_nothing_stale(
+    make_speculator, probabilistic, reference_server, monkeypatch, failure, outstanding
+):
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    strategy = _deferred(speculator, outstanding)
+    extension = _extension(speculator)
+    published = _record_publish(extension, monkeypatch)
+    strategy.select_step(_Runner(), _batch(["a", "b"], 10))
+    _propose(speculator, _batch(["a", "b"], 10), 0)
+    strategy.consume(lambda *args: None)
+    cache = extension.draft_logits.clone()
+    assert not (cache[SLOTS] == FILL).all()
+    assert not any(s.stale for s in speculator.plan.retained.values())
+
+    if failure == "reply_thread":
+
+        def broken(step: Any) -> None:
+            raise RuntimeError("reply thread crashed")
+
+        monkeypatch.setattr(speculator, "exchange", broken)
+    else:
+        _fail_consume(extension, monkeypatch)
+    strategy.select_step(_Runner(), _batch(["a", "b"], 14))
+    _propose(speculator, _batch(["a", "b"], 14), 1)
+    stored: list[torch.Tensor] = []
+    worker = threading.Thread(
+        target=strategy.consume,
+        args=(lambda batch, drafts, k: stored.append(drafts.clone()),),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "a failed reply did not release the gate"
+    assert stored and (stored[0] == -1).all()
+    assert torch.equal(extension.draft_logits, cache)
+    if outstanding:
+        # The selected staging, emptied by the reply thread: no sample position.
+        assert (published[-1].rows.positions.numpy() == -1).all()
+    else:
+        assert published[-1] is None
+    assert all(speculator.plan.retained[r].stale for r in ("a", "b"))
