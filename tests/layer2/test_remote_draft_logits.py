@@ -407,6 +407,82 @@ def test_two_consumed_replies_publish_their_own_logits(one_rank, reference_gumbe
         assert torch.equal(got, drafts) and torch.equal(deferred.draft_logits, cache)
 
 
+# ------------------------------------------- staging slots chosen by number
+
+
+def _two_slot_extension(one_rank: Any) -> RemoteDraftLogits:
+    fmt = LogitsFormat(40, 0)
+    return RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+
+
+def _single_proposal(anchor: int = 9) -> Proposal:
+    return Proposal(("x",), np.array([0]), np.array([anchor]), K)
+
+
+def test_extension_declares_itself_deferral_safe(one_rank):
+    assert _two_slot_extension(one_rank).deferral_safe is True
+
+
+def test_consume_fills_the_selected_staging_slot(one_rank):
+    extension = _two_slot_extension(one_rank)
+    proposal = _single_proposal()
+    extension.select_staging(1)
+    payload = extension.consume(*_reply_for(extension.format, proposal, 1), proposal)
+    assert payload is extension.staged_payload(1)
+    assert payload is not extension.staged_payload(0)
+
+
+def test_consumes_after_a_selection_go_on_round_robin(one_rank):
+    extension = _two_slot_extension(one_rank)
+    proposal = _single_proposal()
+    reply = _reply_for(extension.format, proposal, 1)
+    extension.select_staging(3)  # taken modulo the two slots: slot 1
+    got = [extension.consume(*reply, proposal) for _ in range(3)]
+    want = [extension.staged_payload(i) for i in (1, 0, 1)]
+    assert all(g is w for g, w in zip(got, want))
+
+
+def test_staged_payload_taken_before_consume_publishes_the_reply(
+    one_rank, reference_gumbel
+):
+    """``publish`` reads the slot when it runs: a payload taken while the
+    reply is outstanding publishes what ``consume`` later filled in."""
+    proposal = _single_proposal()
+    reference = _two_slot_extension(one_rank)
+    reply = _reply_for(reference.format, proposal, 1)
+    want = torch.full((1, K), -1)
+    reference.publish(reference.consume(*reply, proposal), _context(want, [2]))
+    deferred = _two_slot_extension(one_rank)
+    deferred.select_staging(1)
+    early = deferred.staged_payload(1)
+    deferred.consume(*reply, proposal)
+    got = torch.full((1, K), -1)
+    deferred.publish(early, _context(got, [2]))
+    assert (want >= 0).all()
+    assert torch.equal(got, want)
+    assert torch.equal(deferred.draft_logits, reference.draft_logits)
+
+
+def test_a_cleared_slot_publishes_no_draft_and_keeps_the_cache(
+    one_rank, reference_gumbel
+):
+    extension = _two_slot_extension(one_rank)
+    first, second = _single_proposal(9), _single_proposal(10)
+    drafts = torch.full((1, K), -1)
+    extension.publish(
+        extension.consume(*_reply_for(extension.format, first, 1), first),
+        _context(drafts, [2]),
+    )
+    cache = extension.draft_logits.clone()
+    extension.select_staging(0)
+    extension.consume(*_reply_for(extension.format, second, 2), second)
+    extension.clear_staging(0)
+    got = torch.full((1, K), 7)
+    extension.publish(extension.staged_payload(0), _context(got, [2]))
+    assert (got == -1).all()
+    assert torch.equal(extension.draft_logits, cache)
+
+
 # ------------------------------------------------------------------ envs
 
 

@@ -29,8 +29,9 @@ consumed and its reply thread returned. Rank 0 enqueues an extension's
 ``publish`` before its reply may have arrived, so it must know at enqueue
 time which staging the reply thread's ``consume`` will fill: layer 3 drives
 that choice (``_ExtensionStaging``). An extension is deferral-safe when it
-offers that (``DeferrableExtension``) or is layer 2's ``RemoteDraftLogits``;
-any other extension keeps the synchronous path.
+declares ``deferral_safe`` and offers that choice (``DeferrableExtension``;
+layer 2's ``RemoteDraftLogits`` does); any other extension keeps the
+synchronous path.
 
 A failing reply (exchange raises, the PROPOSE fails, or an extension's
 ``consume`` raises ``ProtocolError``) stages no draft (-1) for the whole step,
@@ -55,9 +56,6 @@ from vllm.k3_draft.plan import NO_DRAFT, ProposeExtension
 from vllm.k3_draft.protocol import ProtocolError
 from vllm.k3_draft.stream_gate import ReplyGate, StreamGate
 from vllm.logger import init_logger
-from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
-    RemoteDraftLogits,
-)
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
     PublishContext,
@@ -115,11 +113,11 @@ class DeferrableExtension(Protocol):
     Staging slots are numbered; the reply thread (rank 0) calls
     ``select_staging(i)`` before the step's RPCs, so that ``consume`` fills
     slot ``i`` and returns ``staged_payload(i)``; ``clear_staging(i)`` makes
-    slot ``i`` publish no draft (failed or absent reply). Both must wait for
-    any device copy still reading the slot. ``staged_payload(i)`` is handed to
-    ``publish`` on rank 0 while the reply is still outstanding (the copy it
-    enqueues runs behind the gate, after the reply thread filled or cleared
-    the slot)."""
+    slot ``i`` publish no draft (failed or absent reply). ``consume`` and
+    ``clear_staging`` must wait for any device copy still reading the slot.
+    ``staged_payload(i)`` is handed to ``publish`` on rank 0 while the reply
+    is still outstanding (the copy it enqueues runs behind the gate, after
+    the reply thread filled or cleared the slot)."""
 
     deferral_safe: bool
 
@@ -150,38 +148,8 @@ class _ExtensionStaging:
         self.extension.clear_staging(index)
 
 
-class _DraftLogitsStaging(_ExtensionStaging):
-    """Layer 2's ``RemoteDraftLogits``: it alternates its staging slots by
-    itself (round robin on every ``consume``) and offers no way to choose one,
-    so this adapter sets its cursor (``_next``) before each deferred reply and
-    empties a slot's sample positions (``_staging[i].rows.positions``) on
-    failure. Without that, a PROPOSE that never reaches ``consume`` (failure,
-    no request sent, server offline) would leave layer 2's cursor one slot
-    behind layer 3's."""
-
-    extension: RemoteDraftLogits
-
-    def _slot(self, index: int) -> Any:
-        staging = self.extension._staging
-        return staging[index % len(staging)]
-
-    def select(self, index: int) -> None:
-        self.extension._next = index % len(self.extension._staging)
-
-    def staged(self, index: int) -> Any:
-        return self._slot(index)
-
-    def clear(self, index: int) -> None:
-        slot = self._slot(index)
-        if slot.copied is not None:
-            slot.copied.synchronize()
-        slot.rows.positions.fill_(-1)
-
-
 def extension_staging(extension: ProposeExtension) -> _ExtensionStaging | None:
     """The staging handle of a deferral-safe ``extension``, else None."""
-    if isinstance(extension, RemoteDraftLogits):
-        return _DraftLogitsStaging(extension)
     if getattr(extension, "deferral_safe", False) and isinstance(
         extension, DeferrableExtension
     ):

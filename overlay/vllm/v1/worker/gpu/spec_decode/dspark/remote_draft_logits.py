@@ -27,6 +27,10 @@ bf16 ``[max_num_reqs, K, V]``):
   this step's draft width) is masked out of the kernel: it keeps no draft
   (-1) and its cache row is left untouched.
 
+Deferred resolution (a higher layer) publishes a slot before its reply
+arrives; ``deferral_safe``, ``select_staging``, ``staged_payload`` and
+``clear_staging`` let it choose, read and empty staging slots by number.
+
 Device memory: the cache plus a sampling buffer of the same size; rank 0 also
 pins ``num_staging_slots`` host copies of the largest reply.
 """
@@ -108,6 +112,11 @@ class RemoteDraftLogits(ProposeExtension):
     cache; ``num_staging_slots`` bounds how many consumed replies may await
     ``publish`` (a deferred resolution keeps at most one pending)."""
 
+    #: Its staging can be published before the reply is consumed: the slot
+    #: methods below (rank 0, host only; an index is taken modulo
+    #: ``num_staging_slots``).
+    deferral_safe = True
+
     def __init__(
         self,
         fmt: LogitsFormat,
@@ -158,6 +167,27 @@ class RemoteDraftLogits(ProposeExtension):
 
     def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
         return self.format.request_fields()
+
+    def select_staging(self, index: int) -> None:
+        """Make the next ``consume`` fill staging slot ``index``; later ones
+        go on round robin from there."""
+        self._next = index % len(self._staging)
+
+    def staged_payload(self, index: int) -> _Staging:
+        """Slot ``index``'s payload for ``publish``: the object ``consume``
+        returns when it fills that slot. ``publish`` reads what the slot
+        holds when its copy runs, so the slot may still be filled or emptied
+        until then."""
+        return self._staging[index % len(self._staging)]
+
+    def clear_staging(self, index: int) -> None:
+        """Empty slot ``index`` after waiting for the device copy that last
+        read it: publishing it then gives no draft and leaves every cache
+        row untouched (as publishing None does)."""
+        staging = self.staged_payload(index)
+        if staging.copied is not None:
+            staging.copied.synchronize()
+        staging.rows.positions.fill_(-1)
 
     def consume(
         self, metadata: dict[str, Any], frames: list[Any], proposal: Proposal
