@@ -18,7 +18,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = ROOT / "build" / "requirements-qualify.txt"
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
-LINT_PATHS = ["overlay", "build", "tests", "bench", "noxfile.py"]
+LINT_PATHS = ["overlay", "build", "tests", "bench", "ci", "noxfile.py"]
 
 nox.options.sessions = ["apply", "build"]
 nox.options.reuse_existing_virtualenvs = True
@@ -96,7 +96,13 @@ def typecheck(session: nox.Session) -> None:
     session.install(TOOLS[1], "nox", "pytest", "numpy", "pyzmq", "prometheus_client")
     build_dir = str(ROOT / "build")
     session.run(
-        "mypy", "overlay", "build", "bench", "noxfile.py", env={"MYPYPATH": build_dir}
+        "mypy",
+        "overlay",
+        "build",
+        "bench",
+        "ci",
+        "noxfile.py",
+        env={"MYPYPATH": build_dir},
     )
     for folder in sorted(p for p in (ROOT / "tests").iterdir() if p.is_dir()):
         if not list(folder.glob("*.py")):

@@ -96,7 +96,7 @@ def murmur3_uniform64(seed, pos, offset) -> np.ndarray:
 
 
 def _log1p_neg_stable(value: np.ndarray) -> np.ndarray:
-    polynomial = np.float32(1.0 / 8.0)
+    polynomial: np.ndarray = np.asarray(np.float32(1.0 / 8.0))
     for coefficient in (1 / 7, 1 / 6, 1 / 5, 1 / 4, 1 / 3, 1 / 2, 1.0):
         polynomial = np.float32(coefficient) + value * polynomial
     series = -value * polynomial
@@ -144,7 +144,7 @@ def philox_uniform(seed: np.ndarray, offset: np.ndarray) -> np.ndarray:
     return np.maximum(uniform, _TL_RAND_MIN)
 
 
-def spec_step_seed(seed: np.ndarray, step: np.ndarray) -> np.ndarray:
+def spec_step_seed(seed: np.ndarray, step: np.ndarray | int) -> np.ndarray:
     return np.asarray(seed, np.int64) ^ (np.asarray(step, np.int64) << 32)
 
 
