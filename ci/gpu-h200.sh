@@ -2,7 +2,7 @@
 # GPU qualification on a CUDA machine that has torch, triton, numpy and pytest
 # but no vllm (the lent H200): every GPU-marked test file, then the GPU
 # benchmarks. Logs and JSON go to $OUT (default dist/gpu). pyzmq, if missing,
-# comes from wheels in .whl/ (see the device README).
+# comes from wheels in .whl/. Prepare .upstream/ and .whl/ with ci/gpu-carry.sh.
 set -uo pipefail
 OUT=${OUT:-dist/gpu}
 mkdir -p "$OUT"
