@@ -58,8 +58,6 @@ import threading
 import time
 import traceback
 import types
-import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,25 +75,8 @@ NVLS_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
-# The reference draft server: the bounds of tests/layer1/k3_layer1_server.py,
-# which toy_target.make_vllm_config (vllm path) also matches.
-SERVER_OPTIONS: dict[str, Any] = {
-    "method": "dflash",
-    "vocab_size": 1024,
-    "context_width": 192,
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "seed": 0,
-    "max_requests": 16,
-    "max_num_seqs": 8,
-    "max_speculative_tokens": 4,
-    "max_context_tokens": 1024,
-    "max_model_len": 4096,
-    "block_size": 16,
-    "window_size": 64,
-    "prefix_cache_tokens": 128,
-}
+# The reference draft server runs with the layer-1 tests' options
+# (tests/layer1/k3_layer1_server.py: DEFAULT_OPTIONS); these mirror them.
 VOCAB = 1024
 HIDDEN = 64
 NUM_AUX = 3
@@ -153,65 +134,6 @@ def load_by_path(path: Path, name: str) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-# --------------------------------------------------------------- draft server
-
-
-class DraftServer:
-    """The reference-engine draft server, a real process on loopback TCP."""
-
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
-        self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.status_port = free_tcp_port()
-        self.log_path = workdir / "draft-server.log"
-        args = []
-        options = {
-            "engine": "reference",
-            "device": "cpu",
-            "address": self.address,
-            "status_port": self.status_port,
-            **SERVER_OPTIONS,
-        }
-        for key, value in options.items():
-            args += ["--" + key.replace("_", "-"), str(value)]
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.k3_dspark_standalone", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"draft server exited:\n{self.log_tail()}")
-            if self._ready():
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"draft server not ready:\n{self.log_tail()}")
-
-    def _ready(self) -> bool:
-        url = f"http://127.0.0.1:{self.status_port}/readyz"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                return bool(reply.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def log_tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class FaultProxy(threading.Thread):
@@ -1040,9 +962,7 @@ def _python_path_env() -> dict[str, str]:
     return env
 
 
-def run_world(
-    n: int, server: DraftServer, workdir: Path, timeout_s: float
-) -> dict[str, Any]:
+def run_world(n: int, server: Any, workdir: Path, timeout_s: float) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
@@ -1101,8 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     os.environ.update(NVLS_ENV)
     sizes = [int(s) for s in opts.world_sizes.split(",") if s.strip()]
-    env = _python_path_env()
-    os.environ["PYTHONPATH"] = env.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = _python_path_env().get("PYTHONPATH", "")
     sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
     import torch
 
@@ -1122,7 +1041,13 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     with tempfile.TemporaryDirectory(prefix="k3-multi-rank-") as tmp:
         workdir = Path(tmp)
-        server = DraftServer(workdir, env)
+        # The layer-1 tests' server helper; it inherits this environment.
+        sys.path.insert(0, str(TOY_TARGET_DIR))
+        from k3_layer1_server import DraftServerProcess
+
+        server = DraftServerProcess(
+            workdir / "server", address=f"tcp://127.0.0.1:{free_tcp_port()}"
+        ).start()
         try:
             for n in sizes:
                 result = run_world(n, server, workdir, opts.timeout)
