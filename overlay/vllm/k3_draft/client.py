@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.auth
 
 from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.protocol import (
@@ -30,6 +29,7 @@ from vllm.k3_draft.protocol import (
     encode_header,
     request_header,
 )
+from vllm.k3_draft.security import load_certificate
 
 logger = init_logger(__name__)
 
@@ -59,20 +59,12 @@ class CurveKeys:
     def load(cls, server_key_file: str, client_key_file: str) -> CurveKeys:
         """Keys from the server's public certificate and the client's secret
         certificate; ``ValueError`` naming the file when unusable."""
-        try:
-            server_public, _ = zmq.auth.load_certificate(server_key_file)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot load the draft server's CURVE key {server_key_file}: {exc}"
-            ) from exc
-        try:
-            client_public, client_secret = zmq.auth.load_certificate(client_key_file)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot load the client CURVE key {client_key_file}: {exc}"
-            ) from exc
-        if not client_secret:
-            raise ValueError(f"{client_key_file} holds no secret key")
+        server_public, _ = load_certificate(
+            server_key_file, "the draft server's CURVE key", secret=False
+        )
+        client_public, client_secret = load_certificate(
+            client_key_file, "the client CURVE key", secret=True
+        )
         return cls(server_public, client_public, client_secret)
 
 

@@ -33,6 +33,19 @@ logger = init_logger(__name__)
 _WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::"})
 
 
+def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
+    """(public, secret) keys of a ZeroMQ certificate file; ``ValueError``
+    naming ``what`` and the file when it cannot be read, or when ``secret`` is
+    required and the file holds only a public key."""
+    try:
+        public_key, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load {what} {path}: {exc}") from exc
+    if secret and not secret_key:
+        raise ValueError(f"{path} holds no secret key")
+    return public_key, secret_key or b""
+
+
 class BindRefused(ValueError):
     """A bind address is not allowed with the given security settings."""
 
@@ -47,15 +60,7 @@ class CurveConfig:
 
     def load_server_keys(self) -> tuple[bytes, bytes]:
         """(public, secret) key of the server; ``ValueError`` if unusable."""
-        try:
-            public, secret = zmq.auth.load_certificate(self.secret_key_file)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot load the CURVE key {self.secret_key_file}: {exc}"
-            ) from exc
-        if not secret:
-            raise ValueError(f"{self.secret_key_file} holds no secret key")
-        return public, secret
+        return load_certificate(self.secret_key_file, "the CURVE key", secret=True)
 
     def check(self) -> None:
         """Refuse missing or unreadable key material."""
