@@ -88,9 +88,14 @@ def test_the_image_context_holds_only_changed_files_and_labels(
     assert "@" not in dockerfile.replace("@sha", "")
 
 
-def unpack_wheel(wheel: Path, site: Path) -> None:
-    with zipfile.ZipFile(wheel) as zf:
+def payload_and_upstream_site(syn: Synthetic, tmp_path: Path) -> tuple[Path, Path]:
+    """The built payload and a site with the upstream wheel unpacked in it."""
+    syn.apply()
+    result = build_into(syn, tmp_path / "dist")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(syn.wheel) as zf:
         zf.extractall(site)
+    return result.context / "stack", site
 
 
 def test_the_installer_installs_and_its_self_check_passes(
@@ -98,12 +103,9 @@ def test_the_installer_installs_and_its_self_check_passes(
 ) -> None:
     from k3stack import install
 
-    filled.apply()
-    result = build_into(filled, tmp_path / "dist")
-    site = tmp_path / "site"
-    unpack_wheel(filled.wheel, site)
-    install.install(result.context / "stack", site)
-    assert install.verify(result.context / "stack", site) == []
+    payload, site = payload_and_upstream_site(filled, tmp_path)
+    install.install(payload, site)
+    assert install.verify(payload, site) == []
     assert (site / "vllm/logits.py").read_text() == "TOPK = 64\n"
     assert not (site / "vllm-1.0.dist-info").exists()
 
@@ -113,13 +115,10 @@ def test_the_self_check_finds_a_file_that_differs_from_the_lock(
 ) -> None:
     from k3stack import install
 
-    filled.apply()
-    result = build_into(filled, tmp_path / "dist")
-    site = tmp_path / "site"
-    unpack_wheel(filled.wheel, site)
-    install.install(result.context / "stack", site)
+    payload, site = payload_and_upstream_site(filled, tmp_path)
+    install.install(payload, site)
     (site / "vllm/_C.abi3.so").write_bytes(b"not the upstream binary")
-    assert install.verify(result.context / "stack", site) == [
+    assert install.verify(payload, site) == [
         "vllm/_C.abi3.so: content differs from RECORD"
     ]
 
@@ -129,14 +128,11 @@ def test_a_tampered_payload_is_refused_before_anything_changes(
 ) -> None:
     from k3stack import install
 
-    filled.apply()
-    result = build_into(filled, tmp_path / "dist")
-    site = tmp_path / "site"
-    unpack_wheel(filled.wheel, site)
+    payload, site = payload_and_upstream_site(filled, tmp_path)
     before = {p: p.read_bytes() for p in site.rglob("*") if p.is_file()}
-    (result.context / "stack" / "site" / "vllm/model.py").write_text("evil\n")
+    (payload / "site" / "vllm/model.py").write_text("evil\n")
     with pytest.raises(install.InstallError, match="vllm/model.py: sha256"):
-        install.install(result.context / "stack", site)
+        install.install(payload, site)
     assert {p: p.read_bytes() for p in site.rglob("*") if p.is_file()} == before
 
 
