@@ -105,9 +105,6 @@ def classify(
             result.status = "clean"
             _land(tree, layer, stack)
             continue
-        if not layer.patch.files and overlay == "absent":
-            result.status = "clean"
-            continue
         if not _exact_failures(tree, layer, reverse=True) and overlay == "identical":
             result.status = "already-upstream"
             result.note = "the diff reverse-applies and the overlay files are present"
