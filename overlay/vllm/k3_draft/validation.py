@@ -11,11 +11,11 @@ Every violation raises ``ProtocolError``.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from vllm.k3_draft.context_cache import covered_start
@@ -128,7 +128,6 @@ class ProposeParser:
             allowed.update(extension.request_fields)
         self.allowed = frozenset(allowed)
         self.entry_fields = set(PROPOSE_REQUEST_FIELDS)
-        self.arange = np.arange(limits.max_context_tokens, dtype=np.int64)
 
     def parse(self, header: Mapping[str, Any], frames: Sequence[Any]) -> ParsedPropose:
         limits = self.limits
@@ -161,7 +160,7 @@ class ProposeParser:
             rows = frame_tensor(
                 frames[1], torch.bfloat16, (total, self.context_width), "context rows"
             )
-            self._check_positions(positions.numpy(), entries)
+            self._check_positions(frames[0], entries)
         else:
             positions = torch.empty(0, dtype=torch.int64)
             rows = torch.empty(0, self.context_width, dtype=torch.bfloat16)
@@ -201,19 +200,13 @@ class ProposeParser:
             first,
         )
 
-    def _check_positions(
-        self, positions: np.ndarray, entries: list[ProposeEntry]
-    ) -> None:
+    @staticmethod
+    def _check_positions(frame: Any, entries: list[ProposeEntry]) -> None:
         """Each request's rows must hold the positions ``[first, anchor)``."""
-        total = positions.shape[0]
-        if len(entries) == 1:
-            expected = self.arange[:total] + entries[0].first_position
-        else:
-            counts = [e.context_count for e in entries]
-            offsets = np.cumsum([0, *counts[:-1]])
-            firsts = np.array([e.first_position for e in entries]) - offsets
-            expected = np.repeat(firsts, counts) + self.arange[:total]
-        if not np.array_equal(positions, expected):
+        expected = array("q")
+        for entry in entries:
+            expected.extend(range(entry.first_position, entry.anchor_position))
+        if memoryview(frame).tobytes() != expected.tobytes():
             raise ProtocolError(
                 "context positions are not contiguous up to each request's "
                 "anchor position"
