@@ -7,8 +7,11 @@ ZeroMQ transport around the synthetic ``TableEngine`` of
 ``tests/layer2/k3_l2_engines.py``, whose bf16 logits have the Kimi vocabulary,
 V = 163,840) answers steady-state PROPOSEs of ``batch`` requests, K = 3, that
 ask for the full-vocabulary logits or their top-k slices (k in 16, 64, 256);
-the cases are interleaved, request by request. The client is layer 2's: the
-reply is validated and staged by ``RemoteDraftLogits.consume``. Reported per
+the cases are interleaved, request by request. The logits live on
+``--device`` (``cuda``: the top-k selection and the copy to the host run on the
+GPU, as on a GPU draft server). The client is layer 2's: the reply is
+validated and staged by ``RemoteDraftLogits.consume`` (``--no-consume`` where
+vllm cannot be imported, e.g. a GPU box without it: round trips only). Reported per
 case (p50 and p99 over the iterations, microseconds): the reply bytes (header
 and frames), the PROPOSE round trip, the server's handling time
 (``timing_ms.total``, which includes the engine and the encoding of the
@@ -46,9 +49,6 @@ from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient
 from vllm.k3_draft.logits_codec import LogitsFormat
 from vllm.k3_draft.plan import Proposal
-from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
-    RemoteDraftLogits,
-)
 
 ENGINES = Path(__file__).resolve().parent.parent / "tests" / "layer2"
 sys.path.insert(0, str(ENGINES))
@@ -68,7 +68,7 @@ class _OneRank:
         return tensor
 
 
-def start_server(table_path: str, address: str) -> subprocess.Popen:
+def start_server(table_path: str, address: str, device: str) -> subprocess.Popen:
     command = [
         sys.executable,
         str(ENGINES / "k3_l2_engines.py"),
@@ -78,6 +78,7 @@ def start_server(table_path: str, address: str) -> subprocess.Popen:
         table_path,
         "--max-batch-size",
         str(max(BATCHES)),
+        *("--device", device),
     ]
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -91,14 +92,22 @@ def start_server(table_path: str, address: str) -> subprocess.Popen:
 class Case:
     """Steady-state PROPOSEs of ``batch`` requests asking for ``fmt``."""
 
-    def __init__(self, client: DraftClient, batch: int, topk: int) -> None:
+    def __init__(
+        self, client: DraftClient, batch: int, topk: int, consume: bool
+    ) -> None:
         self.client = client
         self.batch = batch
         self.fmt = LogitsFormat(VOCAB, topk)
         self.name = f"b{batch} " + (f"top-{topk}" if topk else "full")
-        self.extension = RemoteDraftLogits(
-            self.fmt, K, batch, 1 << 20, torch.device("cpu"), False, _OneRank()
-        )
+        self.extension = None
+        if consume:
+            from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+                RemoteDraftLogits,
+            )
+
+            self.extension = RemoteDraftLogits(
+                self.fmt, K, batch, 1 << 20, torch.device("cpu"), False, _OneRank()
+            )
         self.ids = [f"{self.name}-{i}" for i in range(batch)]
         self.anchors = np.arange(batch, dtype=np.int64) + 100
         self.proposal = Proposal(tuple(self.ids), np.arange(batch), self.anchors, K)
@@ -131,7 +140,8 @@ class Case:
         header, frames = self._requests(reset=False)
         received = time.perf_counter()
         ((meta, logits_frames),) = protocol.extension_frames(header, frames).values()
-        self.extension.consume(meta, logits_frames, self.proposal)
+        if self.extension is not None:
+            self.extension.consume(meta, logits_frames, self.proposal)
         consumed = time.perf_counter()
         if not record:
             return
@@ -143,10 +153,11 @@ class Case:
             ("rtt", received - start),
             ("server", timing["total"] / 1e3),
             ("engine", sum(timing[k] for k in ENGINE_TIMINGS) / 1e3),
-            ("consume", consumed - received),
             ("bytes", reply_bytes),
         ):
             self.samples[key].append(value)
+        if self.extension is not None:
+            self.samples["consume"].append(consumed - received)
 
     def summary(self) -> dict[str, Any]:
         def us(values: list[float]) -> dict[str, float]:
@@ -167,7 +178,7 @@ class Case:
             "server_us": us(s["server"]),
             "engine_us": us(s["engine"]),
             "transport_us": us(transport),
-            "consume_us": us(s["consume"]),
+            "consume_us": us(s["consume"]) if s["consume"] else None,
         }
 
 
@@ -214,6 +225,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="the draft logits' device")
+    parser.add_argument(
+        "--no-consume",
+        action="store_true",
+        help="skip the client's staging (RemoteDraftLogits needs vllm)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -222,10 +239,14 @@ def main() -> None:
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     with tempfile.NamedTemporaryFile(suffix=".pt") as table_file:
         torch.save(table, table_file.name)
-        server = start_server(table_file.name, address)
+        server = start_server(table_file.name, address, args.device)
     client = DraftClient(address, 60_000)
     try:
-        cases = [Case(client, batch, topk) for batch in BATCHES for topk in (0, *TOPKS)]
+        cases = [
+            Case(client, batch, topk, not args.no_consume)
+            for batch in BATCHES
+            for topk in (0, *TOPKS)
+        ]
         for index in range(args.warmup + args.iters):
             for case in cases:
                 case.run(record=index >= args.warmup)
@@ -250,7 +271,8 @@ def main() -> None:
             f"{r['case']:<14} {r['reply_bytes']:>10} {r['bytes_reduction']:>8.1f} "
             f"{r['rtt_us']['p50']:>8.0f}/{r['rtt_us']['p99']:<9.0f} "
             f"{r['rtt_speedup_p50']:>6.1f} {r['server_us']['p50']:>10.0f} "
-            f"{r['transport_us']['p50']:>13.0f} {r['consume_us']['p50']:>11.0f}"
+            f"{r['transport_us']['p50']:>13.0f} "
+            + (f"{r['consume_us']['p50']:>11.0f}" if r["consume_us"] else f"{'-':>11}")
         )
     loss = acceptance()
     print(
@@ -264,7 +286,13 @@ def main() -> None:
             f"{row['acceptance_topk']:>9.4f} {row['lost']:>7.4f}"
         )
     if args.out:
-        meta = {"cpus": os.cpu_count(), "iters": args.iters, "vocab": VOCAB, "k": K}
+        meta = {
+            "cpus": os.cpu_count(),
+            "device": args.device,
+            "iters": args.iters,
+            "vocab": VOCAB,
+            "k": K,
+        }
         with open(args.out, "w") as out:
             json.dump(
                 {"meta": meta, "transport": results, "acceptance": loss}, out, indent=2

@@ -70,11 +70,16 @@ class TableEngine(DraftEngine):
     kept, as a device engine keeps its output buffer: a repeated batch costs
     the engine nothing, so a benchmark measures the transport."""
 
-    def __init__(self, limits: DraftLimits, table: torch.Tensor) -> None:
+    def __init__(
+        self,
+        limits: DraftLimits,
+        table: torch.Tensor,
+        device: torch.device | None = None,
+    ) -> None:
         self.limits = limits
-        self.table = table
+        self.device = device or torch.device("cpu")
+        self.table = table.to(self.device)
         self.tokens = table.argmax(-1)
-        self.device = torch.device("cpu")
         self.spec = EngineSpec(
             method="dflash",
             vocab_size=table.shape[-1],
@@ -100,10 +105,12 @@ class TableEngine(DraftEngine):
         anchors = tuple(batch.anchor_token_ids)
         k = batch.num_speculative_tokens
         if self._last is None or self._last[:2] != (anchors, k):
-            logits = self.table[torch.tensor(anchors), :k]
+            logits = self.table[torch.tensor(anchors, device=self.device), :k]
             self._last = (anchors, k, logits)
         logits = self._last[2]
         timer.mark("query")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         timer.mark("device_wait")
         tokens = self.tokens[torch.tensor(anchors), :k]
         timer.mark("copy_back")
@@ -145,12 +152,13 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1 << 20)
+    parser.add_argument("--device", default="cpu", help="where the logits live")
     args = parser.parse_args()
     table = torch.load(args.table)
     limits = table_limits(
         args.max_batch_size, table.shape[1], args.max_model_len, args.max_requests
     )
-    LoopbackServer(TableEngine(limits, table), args.address)
+    LoopbackServer(TableEngine(limits, table, torch.device(args.device)), args.address)
     print("serving", flush=True)
     threading.Event().wait()
 
