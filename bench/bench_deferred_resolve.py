@@ -5,23 +5,33 @@ deferred, and the stream gate's overhead. Self-contained: torch, pyzmq and
 ``vllm/k3_draft/stream_gate.py`` loaded by file path (no vllm needed).
 
 A synthetic step has GPU work ``T`` (``torch.cuda._sleep``), host preparation
-``H`` (a host spin) and a draft round trip ``L`` to a ZeroMQ REP server in
-its own process that answers after ``L`` ms with K token ids:
+``H`` (a host spin in Python, holding the GIL as the runner's own Python does)
+and a draft round trip ``L`` to a ZeroMQ REP server in its own process that
+answers after ``L`` ms with K token ids. The round trip also does ``C`` of
+Python work holding the GIL (half before the send: plan and header; half after
+the receive: reply checks), as the speculator's ``exchange`` does:
 
 * synchronous: prep H, copy the draft in, GPU work T, wait for the step's
-  output, then the round trip L on the host: period ~ H + T + L;
-* deferred: after the step's output, the round trip runs on a reply thread
-  that fills pinned staging and releases the gate; the host prepares the
-  next step at once, parks the stream behind the gate, then enqueues the
-  staging copy and the GPU work: period ~ T + max(H, L).
+  output, then the round trip on the host: period ~ H + T + L + C;
+* deferred, as layer 3 runs it: after the step's output, the round trip is
+  submitted to one long-lived reply thread (a one-worker executor) that fills
+  pinned staging and releases the gate; the host prepares the next step at
+  once, parks the stream behind the gate, then enqueues the staging copy and
+  the GPU work: period ~ T + max(H, L + C) when the two threads interleave.
 
-Reported per (T, H, L): period p50 of both (ms), the time saved and the
-hidden fraction ``saved / min(L, H)`` (1.0: all overlappable time hidden);
-and the gate's release-to-kernel-done p50/p99 against an ungated launch (us).
+The reply thread needs the GIL between its blocking calls while the host
+thread runs Python, so the grid repeats over interpreter switch intervals
+(``sys.setswitchinterval``; CPython's default is 5 ms).
+
+Reported per (T, H, L, switch interval): period p50 of both (ms), the time
+saved and the hidden fraction ``saved / min(L, H)`` (1.0: all overlappable
+time hidden); and the gate's release-to-kernel-done p50/p99 against an
+ungated launch (us).
 
 Usage::
 
-    python bench/bench_deferred_resolve.py --steps 60 --out deferred.json
+    python bench/bench_deferred_resolve.py --steps 60 --out deferred.json \
+        [--switch-interval-us 5000 200]
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
 import types
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
@@ -81,19 +91,27 @@ class Step:
     """The synthetic verifier step and its draft round trip."""
 
     def __init__(
-        self, address: str, t_ms: float, h_ms: float, l_ms: float, cycles_per_ms: float
+        self,
+        address: str,
+        t_ms: float,
+        h_ms: float,
+        l_ms: float,
+        c_ms: float,
+        cycles_per_ms: float,
     ) -> None:
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
         self.socket.connect(address)
         self.t_cycles = int(t_ms * cycles_per_ms)
-        self.h_ms, self.l_ms = h_ms, l_ms
+        self.h_ms, self.l_ms, self.c_ms = h_ms, l_ms, c_ms
         self.staging = torch.zeros(NUM_REQS, K, dtype=torch.int64, pin_memory=True)
         self.drafts = torch.zeros(NUM_REQS, K, dtype=torch.int64, device="cuda")
         self.output = torch.cuda.Event(blocking=True)
 
     def round_trip(self) -> None:
+        spin(self.c_ms / 2)
         self.socket.send(str(self.l_ms).encode())
         reply = self.socket.recv()
+        spin(self.c_ms / 2)
         self.staging.copy_(
             torch.frombuffer(bytearray(reply), dtype=torch.int64).view(NUM_REQS, K)
         )
@@ -118,31 +136,31 @@ class Step:
 
     def deferred(self, gate_module: types.ModuleType, steps: int) -> list[float]:
         replies = [gate_module.ReplyGate(gate_module.StreamGate()) for _ in range(2)]
-        thread: threading.Thread | None = None
+        done: list[Future[None] | None] = [None, None]
         periods = []
-        last = time.perf_counter()
-        for i in range(steps):
-            spin(self.h_ms)
-            if thread is not None:
-                replies[(i - 1) % 2].wait()
-            self.gpu_work()
-            self.output.synchronize()
-            if thread is not None:
-                thread.join()
-            reply = replies[i % 2]
-            reply.reset()
-            thread = threading.Thread(
-                target=reply.deliver,
-                args=(self.round_trip, lambda exc: self.staging.fill_(-1)),
-            )
-            thread.start()
-            now = time.perf_counter()
-            periods.append(now - last)
-            last = now
-        assert thread is not None
-        replies[(steps - 1) % 2].wait()
-        thread.join()
-        torch.cuda.synchronize()
+        with ThreadPoolExecutor(1, thread_name_prefix="reply") as executor:
+            last = time.perf_counter()
+            for i in range(steps):
+                spin(self.h_ms)
+                if i:
+                    replies[(i - 1) % 2].wait()
+                self.gpu_work()
+                self.output.synchronize()
+                slot = i % 2
+                previous = done[slot]
+                if previous is not None:
+                    previous.result()
+                replies[slot].reset()
+                done[slot] = executor.submit(
+                    replies[slot].deliver,
+                    self.round_trip,
+                    lambda exc: self.staging.fill_(-1),
+                )
+                now = time.perf_counter()
+                periods.append(now - last)
+                last = now
+            replies[(steps - 1) % 2].wait()
+            torch.cuda.synchronize()
         return periods
 
 
@@ -187,6 +205,33 @@ def gate_overhead(gate_module: types.ModuleType, iters: int) -> dict[str, float]
     }
 
 
+def run_cell(
+    args: argparse.Namespace,
+    gate_module: types.ModuleType,
+    address: str,
+    cycles_per_ms: float,
+    t_ms: float,
+    h_ms: float,
+    l_ms: float,
+) -> dict[str, float]:
+    """Synchronous and deferred period of one (T, H, L)."""
+    step = Step(address, t_ms, h_ms, l_ms, args.reply_cpu_ms, cycles_per_ms)
+    step.synchronous(5)
+    sync = statistics.median(step.synchronous(args.steps)[1:]) * 1e3
+    deferred = statistics.median(step.deferred(gate_module, args.steps)[2:]) * 1e3
+    step.socket.close(linger=0)
+    saved = sync - deferred
+    return {
+        "T_ms": t_ms,
+        "H_ms": h_ms,
+        "L_ms": l_ms,
+        "sync_period_ms": sync,
+        "deferred_period_ms": deferred,
+        "saved_ms": saved,
+        "hidden_fraction": saved / min(l_ms, h_ms),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -194,6 +239,19 @@ def main() -> None:
     parser.add_argument("--t-ms", type=float, nargs="+", default=[2.0, 10.0])
     parser.add_argument("--h-ms", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--l-ms", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument(
+        "--reply-cpu-ms",
+        type=float,
+        default=0.2,
+        help="Python work of one round trip on the reply thread (C)",
+    )
+    parser.add_argument(
+        "--switch-interval-us",
+        type=float,
+        nargs="+",
+        default=[5000.0, 200.0],
+        help="interpreter switch intervals to run the grid at",
+    )
     parser.add_argument("--gate", type=Path, default=GATE_PATH)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -218,34 +276,25 @@ def main() -> None:
     ready.wait(30)
 
     rows = []
-    for t_ms in args.t_ms:
-        for h_ms in args.h_ms:
-            for l_ms in args.l_ms:
-                step = Step(address, t_ms, h_ms, l_ms, cycles_per_ms)
-                step.synchronous(5)
-                sync = statistics.median(step.synchronous(args.steps)[1:]) * 1e3
-                deferred = (
-                    statistics.median(step.deferred(gate_module, args.steps)[2:]) * 1e3
-                )
-                saved = sync - deferred
-                rows.append(
-                    {
-                        "T_ms": t_ms,
-                        "H_ms": h_ms,
-                        "L_ms": l_ms,
-                        "sync_period_ms": sync,
-                        "deferred_period_ms": deferred,
-                        "saved_ms": saved,
-                        "hidden_fraction": saved / min(l_ms, h_ms),
-                    }
-                )
-                step.socket.close(linger=0)
-                print(
-                    f"T {t_ms:5.1f}  H {h_ms:4.1f}  L {l_ms:4.1f}  "
-                    f"sync {sync:7.3f} ms  deferred {deferred:7.3f} ms  "
-                    f"hidden {saved / min(l_ms, h_ms):5.2f}",
-                    flush=True,
-                )
+    default_interval = sys.getswitchinterval()
+    for interval_us in args.switch_interval_us:
+        sys.setswitchinterval(interval_us / 1e6)
+        for t_ms in args.t_ms:
+            for h_ms in args.h_ms:
+                for l_ms in args.l_ms:
+                    row = run_cell(
+                        args, gate_module, address, cycles_per_ms, t_ms, h_ms, l_ms
+                    )
+                    row["switch_interval_us"] = interval_us
+                    rows.append(row)
+                    print(
+                        f"switch {interval_us:6.0f} us  T {t_ms:5.1f}  H {h_ms:4.1f}  "
+                        f"L {l_ms:4.1f}  sync {row['sync_period_ms']:7.3f} ms  "
+                        f"deferred {row['deferred_period_ms']:7.3f} ms  "
+                        f"hidden {row['hidden_fraction']:5.2f}",
+                        flush=True,
+                    )
+    sys.setswitchinterval(default_interval)
     overhead = gate_overhead(gate_module, args.gate_iters)
     print(
         "gate: release-to-done p50 {gated_p50_us:.1f} us (p99 {gated_p99_us:.1f}), "
@@ -260,6 +309,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "steps": args.steps,
+        "reply_cpu_ms": args.reply_cpu_ms,
         "grid": rows,
         "gate": overhead,
     }
