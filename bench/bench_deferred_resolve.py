@@ -31,7 +31,7 @@ ungated launch (us).
 Usage::
 
     python bench/bench_deferred_resolve.py --steps 60 --out deferred.json \
-        [--switch-interval-us 5000 200]
+        [--switch-interval-us 5000 50]
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def main() -> None:
         "--switch-interval-us",
         type=float,
         nargs="+",
-        default=[5000.0, 200.0],
+        default=[5000.0, 50.0],
         help="interpreter switch intervals to run the grid at",
     )
     parser.add_argument("--gate", type=Path, default=GATE_PATH)

@@ -11,6 +11,7 @@ for the reply; the order of everything else is the runner's own."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from k3_layer1_server import DraftServerProcess
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
+from vllm import envs
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import (
     DeferredResolution,
@@ -117,6 +119,50 @@ def test_switch_zero_keeps_the_synchronous_path(
     monkeypatch.setenv("VLLM_K3_DRAFT_DEFERRED_RESOLVE", "0")
     assert install_deferred_resolution(speculator) is None
     assert type(speculator.resolution) is ImmediateResolution
+
+
+@pytest.fixture
+def switch_interval():
+    """The interpreter switch interval, restored after the test."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(saved)
+
+
+def test_deferred_resolution_lowers_the_switch_interval(
+    make_speculator, scripted_server, monkeypatch, switch_interval
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "100")
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+
+
+def test_switch_interval_zero_keeps_the_interpreter_s(
+    make_speculator, scripted_server, monkeypatch, switch_interval
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "0")
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_switch_interval_is_never_raised(
+    make_speculator, scripted_server, monkeypatch, switch_interval
+):
+    sys.setswitchinterval(20e-6)
+    monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "100")
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)
+    assert sys.getswitchinterval() == pytest.approx(20e-6)
+
+
+@pytest.mark.parametrize("value", ["-1", "fast", "0.5"])
+def test_malformed_switch_interval_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", value)
+    with pytest.raises(ValueError, match="VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US"):
+        _ = envs.VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US
 
 
 @pytest.mark.parametrize("flag", ["dummy_run", "is_profile"])

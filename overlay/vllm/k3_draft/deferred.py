@@ -33,6 +33,11 @@ declares ``deferral_safe`` and offers that choice (``DeferrableExtension``;
 layer 2's ``RemoteDraftLogits`` does); any other extension keeps the
 synchronous path.
 
+The reply thread needs the GIL between its blocking calls while the runner's
+Python prepares the next step; CPython hands it over only after its switch
+interval (5 ms by default), so rank 0 lowers the process's switch interval to
+``VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US`` (never raises it).
+
 A failing reply (exchange raises, the PROPOSE fails, or an extension's
 ``consume`` raises ``ProtocolError``) stages no draft (-1) for the whole step,
 empties every extension's staging of the slot, still releases the gate, and
@@ -44,6 +49,7 @@ position, no draft, cache rows untouched).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -206,6 +212,7 @@ class DeferredResolution(ImmediateResolution):
             for index in range(NUM_STAGING_SLOTS)
         ]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="k3-draft-reply")
+        lower_switch_interval(envs.VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US)
 
     @property
     def pending(self) -> bool:
@@ -333,6 +340,17 @@ class DeferredResolution(ImmediateResolution):
             state = plan.retained.get(request_id)
             if state is not None:
                 state.stale = True
+
+
+def lower_switch_interval(interval_us: int) -> None:
+    """Make the interpreter switch interval at most ``interval_us`` (0: keep)."""
+    if interval_us and sys.getswitchinterval() > interval_us / 1e6:
+        sys.setswitchinterval(interval_us / 1e6)
+        logger.info(
+            "Interpreter switch interval lowered to %d us for the draft reply "
+            "thread (VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US)",
+            interval_us,
+        )
 
 
 def install_deferred_resolution(speculator: object) -> DeferredResolution | None:
