@@ -25,7 +25,9 @@ thread runs Python, so the grid repeats over interpreter switch intervals
 
 Reported per (T, H, L, switch interval): period p50 of both (ms), the time
 saved and the hidden fraction ``saved / min(L, H)`` (1.0: all overlappable
-time hidden); and the gate's release-to-kernel-done p50/p99 against an
+time hidden), also with each mode's measured GPU time taken out of its period
+(``torch.cuda._sleep`` counts cycles, and the SM clock differs between the
+modes); and the gate's release-to-kernel-done p50/p99 against an
 ungated launch (us).
 
 Usage::
@@ -105,7 +107,11 @@ class Step:
         self.h_ms, self.l_ms, self.c_ms = h_ms, l_ms, c_ms
         self.staging = torch.zeros(NUM_REQS, K, dtype=torch.int64, pin_memory=True)
         self.drafts = torch.zeros(NUM_REQS, K, dtype=torch.int64, device="cuda")
-        self.output = torch.cuda.Event(blocking=True)
+        self.kernel_start = torch.cuda.Event(enable_timing=True, blocking=True)
+        self.output = torch.cuda.Event(enable_timing=True, blocking=True)
+        # Measured duration (ms) of each step's GPU work: torch.cuda._sleep
+        # counts clock cycles and the SM clock differs between the two modes.
+        self.kernel_ms: list[float] = []
 
     def round_trip(self) -> None:
         spin(self.c_ms / 2)
@@ -118,8 +124,13 @@ class Step:
 
     def gpu_work(self) -> None:
         self.drafts.copy_(self.staging, non_blocking=True)
+        self.kernel_start.record()
         torch.cuda._sleep(self.t_cycles)
         self.output.record()
+
+    def wait_output(self) -> None:
+        self.output.synchronize()
+        self.kernel_ms.append(self.kernel_start.elapsed_time(self.output))
 
     def synchronous(self, steps: int) -> list[float]:
         periods = []
@@ -127,7 +138,7 @@ class Step:
         for _ in range(steps):
             spin(self.h_ms)
             self.gpu_work()
-            self.output.synchronize()
+            self.wait_output()
             self.round_trip()
             now = time.perf_counter()
             periods.append(now - last)
@@ -145,7 +156,7 @@ class Step:
                 if i:
                     replies[(i - 1) % 2].wait()
                 self.gpu_work()
-                self.output.synchronize()
+                self.wait_output()
                 slot = i % 2
                 previous = done[slot]
                 if previous is not None:
@@ -217,18 +228,27 @@ def run_cell(
     """Synchronous and deferred period of one (T, H, L)."""
     step = Step(address, t_ms, h_ms, l_ms, args.reply_cpu_ms, cycles_per_ms)
     step.synchronous(5)
+    step.kernel_ms.clear()
     sync = statistics.median(step.synchronous(args.steps)[1:]) * 1e3
+    sync_kernel = statistics.median(step.kernel_ms[1:])
+    step.kernel_ms.clear()
     deferred = statistics.median(step.deferred(gate_module, args.steps)[2:]) * 1e3
+    deferred_kernel = statistics.median(step.kernel_ms[2:])
     step.socket.close(linger=0)
     saved = sync - deferred
+    # The same comparison without the GPU work each mode measured.
+    host_saved = (sync - sync_kernel) - (deferred - deferred_kernel)
     return {
         "T_ms": t_ms,
         "H_ms": h_ms,
         "L_ms": l_ms,
         "sync_period_ms": sync,
         "deferred_period_ms": deferred,
+        "sync_gpu_ms": sync_kernel,
+        "deferred_gpu_ms": deferred_kernel,
         "saved_ms": saved,
         "hidden_fraction": saved / min(l_ms, h_ms),
+        "hidden_fraction_gpu_corrected": host_saved / min(l_ms, h_ms),
     }
 
 
@@ -291,7 +311,10 @@ def main() -> None:
                         f"switch {interval_us:6.0f} us  T {t_ms:5.1f}  H {h_ms:4.1f}  "
                         f"L {l_ms:4.1f}  sync {row['sync_period_ms']:7.3f} ms  "
                         f"deferred {row['deferred_period_ms']:7.3f} ms  "
-                        f"hidden {row['hidden_fraction']:5.2f}",
+                        f"hidden {row['hidden_fraction']:5.2f} "
+                        f"(GPU-time corrected "
+                        f"{row['hidden_fraction_gpu_corrected']:5.2f}; GPU "
+                        f"{row['sync_gpu_ms']:.2f}/{row['deferred_gpu_ms']:.2f} ms)",
                         flush=True,
                     )
     sys.setswitchinterval(default_interval)
