@@ -20,8 +20,7 @@ status=0
 # (vllm.k3_draft: server, engines) importable as a namespace package.
 export PYTHONPATH="$PWD/overlay${PYTHONPATH:+:$PYTHONPATH}"
 timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu \
-  tests/layer1/test_reference_engine.py tests/layer2/test_logits_codec.py \
-  tests/layer3/test_stream_gate_gpu.py \
+  tests/layer1/test_reference_engine.py tests/layer3/test_stream_gate_gpu.py \
   tests/layer4/test_slot_mapping_gpu.py tests/layer5/test_fused_mla_verify_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.txt" | tail -20 || status=1
 # Multi-rank checks (TP broadcast, DCP merge, replicated draft) at every

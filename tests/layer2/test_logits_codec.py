@@ -14,9 +14,7 @@ import torch
 from vllm.k3_draft.logits_codec import (
     CAPABILITY_FULL,
     CAPABILITY_TOPK,
-    TOPK_CHUNK,
     LogitsFormat,
-    chunked_top_k,
     decode_logits,
     encode_logits,
     requested_format,
@@ -277,37 +275,3 @@ def test_format_bounds():
         "return_logits": True,
         "logits_topk": 9,
     }
-
-
-@pytest.mark.parametrize(
-    ("vocab", "k"),
-    [(2 * TOPK_CHUNK, 64), (5 * TOPK_CHUNK + 123, 300), (3 * TOPK_CHUNK, TOPK_CHUNK)],
-)
-@pytest.mark.parametrize("rows", ["random", "ties", "mostly_masked"])
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(
-                    not torch.cuda.is_available(), reason="needs a CUDA GPU"
-                ),
-            ],
-        ),
-    ],
-)
-def test_chunked_top_k_picks_the_k_largest_values(vocab, k, rows, device):
-    generator = torch.Generator().manual_seed(vocab + k)
-    values = torch.randn(2, 3, vocab, generator=generator).bfloat16().to(device)
-    if rows == "ties":
-        values = (values * 2).round()
-    elif rows == "mostly_masked":
-        values[..., 7:] = float("-inf")
-    top_values, ids = chunked_top_k(values, k)
-    expected = values.float().topk(k, dim=-1).values
-    assert torch.equal(top_values.float().sort(-1).values, expected.sort(-1).values)
-    assert torch.equal(values.gather(-1, ids), top_values)
-    assert all(len(set(row.tolist())) == k for row in ids.flatten(0, 1))

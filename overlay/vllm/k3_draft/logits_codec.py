@@ -54,10 +54,6 @@ _FULL_KEYS = frozenset(
     {"capability", "num_frames", "dtype", "shape", "nbytes", "sample_positions"}
 )
 _TOPK_KEYS = _FULL_KEYS | {"ids_dtype", "values_nbytes", "ids_nbytes"}
-# On a GPU, top-k of rows of at least two chunks selects in two rounds (one
-# selection over a 163,840-wide row is the slow part there; on a CPU the
-# single selection is faster).
-TOPK_CHUNK = 4096
 
 
 @dataclass(frozen=True)
@@ -155,26 +151,6 @@ def sample_positions(
     return _wire_positions(positions, max_model_len)
 
 
-def chunked_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values.topk(k, dim=-1, sorted=False)`` in two rounds: the ``k``
-    largest of each ``TOPK_CHUNK`` columns, then the ``k`` largest of those
-    (the same values; ties broken by the device's ``topk``)."""
-    vocab = values.shape[-1]
-    chunks = vocab // TOPK_CHUNK
-    if chunks < 2 or k > TOPK_CHUNK:
-        return values.topk(k, dim=-1, sorted=False)
-    lead, body = values.shape[:-1], chunks * TOPK_CHUNK
-    device = values.device
-    chunked = values[..., :body].reshape(*lead, chunks, TOPK_CHUNK)
-    part_values, part_ids = chunked.topk(k, dim=-1, sorted=False)
-    part_ids += torch.arange(0, body, TOPK_CHUNK, device=device).unsqueeze(-1)
-    tail_ids = torch.arange(body, vocab, device=device).expand(*lead, vocab - body)
-    candidates = torch.cat((part_values.flatten(-2), values[..., body:]), -1)
-    candidate_ids = torch.cat((part_ids.flatten(-2), tail_ids), -1)
-    top_values, picked = candidates.topk(k, dim=-1, sorted=False)
-    return top_values, candidate_ids.gather(-1, picked)
-
-
 def encode_logits(
     logits: torch.Tensor,
     fmt: LogitsFormat,
@@ -191,10 +167,7 @@ def encode_logits(
         raise ValueError(f"engine logits have {vocab} columns, not {fmt.vocab_size}")
     values = logits.to(torch.bfloat16).contiguous()
     if fmt.topk:
-        if values.device.type == "cuda":
-            values, ids = chunked_top_k(values, fmt.topk)
-        else:
-            values, ids = values.topk(fmt.topk, dim=-1, sorted=False)
+        values, ids = values.topk(fmt.topk, dim=-1, sorted=False)
         frame = torch.cat(
             (
                 values.contiguous().view(torch.uint8).reshape(-1),
