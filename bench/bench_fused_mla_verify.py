@@ -233,13 +233,14 @@ def _cases() -> list[tuple[int, int, torch.dtype, list[tuple[int, int]]]]:
 
 
 def _sweep_variants(ops, query_len: int, heads: int) -> list[tuple[Any, int]]:
-    """Tilings (BLOCK_N, stages) at the default split count, and the default
-    tiling at twice the splits."""
+    """Triton tilings (BLOCK_N, stages) and Gluon buffer depths at the default
+    split count, and the default tiling at twice the splits."""
     base = ops.default_config(query_len, heads)
-    tilings = [(32, 2), (32, 3), (32, 4), (64, 2)]
+    tilings = [(False, 32, 2), (False, 32, 3), (False, 32, 4), (False, 64, 2)]
+    tilings += [(True, 32, 3), (True, 32, 4)]
     variants: list[tuple[Any, int]] = [
-        (ops.VerifyKernelConfig(base.heads_per_tile, block_n, 8, stages), 1)
-        for block_n, stages in tilings
+        (ops.VerifyKernelConfig(base.heads_per_tile, block_n, 8, stages, gluon), 1)
+        for gluon, block_n, stages in tilings
     ]
     return [*variants, (None, 2)]
 

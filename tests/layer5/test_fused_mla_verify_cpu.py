@@ -112,6 +112,78 @@ def test_config_folding_too_many_rows_is_rejected(fused_verify):
         _call(fused_verify, config=config)
 
 
+def test_gluon_tiling_needs_eight_warps(fused_verify):
+    config = fused_verify.VerifyKernelConfig(
+        heads_per_tile=16, block_n=64, num_warps=4, num_stages=2, use_gluon=True
+    )
+    with pytest.raises(ValueError, match="Gluon kernel needs num_warps=8"):
+        _call(fused_verify, config=config)
+
+
+@pytest.mark.parametrize(("query_len", "heads"), [(4, 16), (8, 16), (4, 128), (3, 12)])
+def test_default_config_takes_the_gluon_kernel_for_64_row_tiles(
+    fused_verify, query_len, heads
+):
+    assert fused_verify.default_config(query_len, heads).use_gluon
+
+
+@pytest.mark.parametrize(("query_len", "heads"), [(2, 16), (1, 16), (4, 4)])
+def test_default_config_keeps_triton_for_fewer_rows(fused_verify, query_len, heads):
+    assert not fused_verify.default_config(query_len, heads).use_gluon
+
+
+def test_gluon_kernel_runs_only_on_gpus(fused_verify):
+    assert not fused_verify.runs_gluon_kernel(
+        torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64
+    )
+
+
+@pytest.mark.parametrize(("block_n", "num_buf"), [(64, 2), (32, 4)])
+def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf):
+    """The installed Triton lowers the Gluon kernel to sm_90 code (offline, no
+    GPU needed) within Hopper's shared memory: Gluon is experimental and its
+    API changes between Triton releases."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = fused_verify._gl_verify_split_kernel
+    constexprs = {
+        "QUERY_LEN": 4,
+        "HEADS_PER_TILE": 16,
+        "BLOCK_N": block_n,
+        "NUM_BUF": num_buf,
+        "PAGE_SIZE": 64,
+        "CAUSAL": True,
+        "HAS_NUM_VALID": True,
+        "LATENT": 512,
+        "ROPE": 64,
+    }
+    pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "part_o_ptr": "*fp32"}
+    pointers["part_lse_ptr"] = "*fp32"
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*i32")
+        else:
+            signature[name] = "fp32" if name == "sm_scale_log2" else "i32"
+    aligned = [["tt.divisibility", 16]]
+    attrs = {
+        (i,): aligned
+        for i, name in enumerate(kernel.arg_names)
+        if name.endswith("_ptr") or name.startswith("stride")
+    }
+    compiled = triton.compile(
+        GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 64),
+        options={"num_warps": 8},
+    )
+    assert 0 < compiled.metadata.shared <= 227 * 1024
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert "cp.async" in compiled.asm["ptx"]
+
+
 @pytest.mark.parametrize("dcp_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("interleave", [1, 2, 16, 64])
 def test_local_kv_len_counts_the_tokens_a_rank_owns(fused_verify, dcp_size, interleave):

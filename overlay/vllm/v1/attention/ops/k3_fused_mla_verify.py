@@ -10,6 +10,12 @@ every row and head of its tile: rows x heads are folded into the M dimension of
 the tensor-core products. A second kernel merges the KV splits by their
 log-sum-exp.
 
+Two implementations of the split kernel compute the same thing: a Triton
+kernel for every supported case, and on Hopper (sm_90) with a 16-bit KV cache
+and 64 folded rows a Gluon kernel whose explicit two-buffer pipeline issues
+the copy of KV tile i+1 before the products of tile i (Triton's pipeliner
+issues it after them, leaving the copy exposed).
+
 Contracts (``fused_mla_verify_decode``):
 
 - ``q``: ``[num_reqs * query_len, H, 576]`` (512 latent + 64 rope), bf16 or
@@ -42,6 +48,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+)
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -54,6 +67,12 @@ _MIN_BLOCK_M = 16
 # A split shorter than this spends more on its partial result than on its KV.
 _MIN_TOKENS_PER_SPLIT = 256
 _LOG2E = math.log2(math.e)
+# Gluon renamed these between Triton 3.6 and 3.8 (getattr: neither name exists
+# in both).
+_async_load = getattr(async_copy, "async_load", None) or getattr(  # noqa: B009
+    async_copy, "async_copy_global_to_shared"
+)
+_cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")  # noqa: B009
 
 
 @dataclass(frozen=True)
@@ -61,13 +80,17 @@ class VerifyKernelConfig:
     """Tiling of the split-KV kernel.
 
     ``heads_per_tile`` heads x ``query_len`` rows form the M dimension of one
-    program; ``block_n`` KV tokens are loaded per step.
+    program; ``block_n`` KV tokens are loaded per step. ``use_gluon`` runs the
+    Hopper kernel where it applies (sm_90, 16-bit KV cache, 64 folded rows;
+    it needs 8 warps and keeps ``num_stages`` KV tiles in shared memory),
+    the Triton kernel elsewhere.
     """
 
     heads_per_tile: int
     block_n: int
     num_warps: int
     num_stages: int
+    use_gluon: bool = False
 
 
 def local_kv_len(
@@ -88,14 +111,17 @@ def default_config(query_len: int, num_heads: int) -> VerifyKernelConfig:
 
     64 folded rows: 8 warps (the 64 x 512 fp32 accumulator is 128 registers a
     thread) and 64-token tiles, two buffers (query 72 KiB + 2 x 72 KiB of
-    shared memory); this beat 16- and 32-token tiles with deeper buffering
-    for bf16 and fp8. Fewer rows: 4 warps, 32-token tiles, three stages.
+    shared memory), the Gluon kernel where it applies; this beat 16- and
+    32-token tiles with deeper buffering for bf16 and fp8. Fewer rows: 4
+    warps, 32-token tiles, three stages.
     """
     per_tile = min(num_heads, max(1, _MAX_BLOCK_M // query_len))
     num_tiles = triton.cdiv(num_heads, per_tile)
     per_tile = triton.cdiv(num_heads, num_tiles)
     if _block_m(query_len, per_tile) >= _MAX_BLOCK_M:
-        return VerifyKernelConfig(per_tile, block_n=64, num_warps=8, num_stages=2)
+        return VerifyKernelConfig(
+            per_tile, block_n=64, num_warps=8, num_stages=2, use_gluon=True
+        )
     return VerifyKernelConfig(per_tile, block_n=32, num_warps=4, num_stages=3)
 
 
@@ -131,6 +157,22 @@ def workspace_numel(num_rows: int, num_heads: int, num_kv_splits: int) -> int:
 
 def _block_m(query_len: int, heads_per_tile: int) -> int:
     return max(_MIN_BLOCK_M, triton.next_power_of_2(query_len * heads_per_tile))
+
+
+def runs_gluon_kernel(
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    block_m: int,
+) -> bool:
+    """Whether a ``use_gluon`` tiling runs the Gluon kernel here: a Hopper (sm_90)
+    device, a KV cache in the query's 16-bit dtype, 64 folded rows."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and kv_dtype == q_dtype
+        and block_m == _MAX_BLOCK_M
+    )
 
 
 @triton.jit
@@ -325,6 +367,327 @@ def _verify_merge_kernel(
     )
 
 
+@gluon.jit
+def _gl_tile_pages(
+    bt_row, n0, end, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, LD: gl.constexpr
+):
+    """Page ids of the tokens of the tile at ``n0``, in ``LD``'s row layout."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    return gl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
+
+
+@gluon.jit
+def _gl_issue_tile(
+    kv_ptr,
+    page_lat,
+    page_rope,
+    n0,
+    end,
+    lat_buf,
+    rope_buf,
+    stride_kv_page,
+    stride_kv_token,
+    BLOCK_N: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    LATENT: gl.constexpr,
+    ROPE: gl.constexpr,
+    LD_LAT: gl.constexpr,
+    LD_ROPE: gl.constexpr,
+):
+    """Start copying the tile at ``n0`` into shared memory (tokens at or past
+    ``end`` are zero-filled)."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
+    tok = (
+        page_lat.to(gl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+    )
+    offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD_LAT))
+    _async_load(
+        lat_buf,
+        kv_ptr + gl.expand_dims(tok, 1) + gl.expand_dims(offs_l, 0),
+        mask=gl.expand_dims(offs_n < end, 1),
+    )
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_ROPE))
+    tok = (
+        page_rope.to(gl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+    )
+    offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD_ROPE))
+    _async_load(
+        rope_buf,
+        kv_ptr + gl.expand_dims(tok, 1) + LATENT + gl.expand_dims(offs_r, 0),
+        mask=gl.expand_dims(offs_n < end, 1),
+    )
+
+
+@gluon.jit
+def _gl_verify_split_kernel(
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    num_valid_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    sm_scale_log2,
+    num_heads,
+    dcp_size,
+    dcp_rank,
+    cp_interleave,
+    stride_q_row,
+    stride_q_head,
+    stride_kv_page,
+    stride_kv_token,
+    stride_bt_req,
+    QUERY_LEN: gl.constexpr,
+    HEADS_PER_TILE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_NUM_VALID: gl.constexpr,
+    LATENT: gl.constexpr,
+    ROPE: gl.constexpr,
+):
+    """``_verify_split_kernel`` for sm_90, 16-bit KV, 64 rows, 8 warps.
+
+    Each iteration first issues the copy of tile it + NUM_BUF - 1 into the
+    buffer tile it - 1 used, then waits for tile it and runs its products.
+    The score product is split over the two warpgroups by columns (no
+    duplicated work); softmax weights go through shared memory to the P.V
+    product, whose 512 output columns are split the same way.
+    """
+    BLOCK_M: gl.constexpr = 64
+    DT: gl.constexpr = q_ptr.dtype.element_ty
+    LD_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, LATENT // 2, 16]
+    )
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+
+    head_tile = gl.program_id(0)
+    split = gl.program_id(1)
+    req = gl.program_id(2)
+    num_splits = gl.num_programs(1)
+    if HAS_NUM_VALID and req >= gl.load(num_valid_ptr):
+        return
+
+    # M index -> (query row t, head), and each row's visible rank-local length.
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
+    t = offs_m // HEADS_PER_TILE
+    head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    valid = (t < QUERY_LEN) & (head < num_heads)
+    seq_len = gl.load(seq_lens_ptr + req)
+    glob = seq_len - (QUERY_LEN - 1 - t) if CAUSAL else seq_len + 0 * t
+    glob = gl.maximum(glob, 0)
+    span = dcp_size * cp_interleave
+    rest = glob % span - dcp_rank * cp_interleave
+    local = (glob // span) * cp_interleave + gl.minimum(
+        gl.maximum(rest, 0), cp_interleave
+    )
+    local = gl.where(valid, local, 0)
+    kv_len = gl.max(local, axis=0)
+    tiles_per_split = gl.cdiv(gl.cdiv(kv_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = gl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+    # Queries into shared memory, for every product of the loop.
+    q_lat = _gl_load_queries(
+        q_ptr,
+        req,
+        head_tile,
+        num_heads,
+        stride_q_row,
+        stride_q_head,
+        0,
+        QUERY_LEN,
+        HEADS_PER_TILE,
+        BLOCK_M,
+        LATENT,
+        LD_LAT,
+    )
+    q_rope = _gl_load_queries(
+        q_ptr,
+        req,
+        head_tile,
+        num_heads,
+        stride_q_row,
+        stride_q_head,
+        LATENT,
+        QUERY_LEN,
+        HEADS_PER_TILE,
+        BLOCK_M,
+        ROPE,
+        LD_ROPE,
+    )
+    q_lat_s = gl.allocate_shared_memory(
+        DT,
+        [BLOCK_M, LATENT],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, LATENT], DT),
+        q_lat,
+    )
+    q_rope_s = gl.allocate_shared_memory(
+        DT,
+        [BLOCK_M, ROPE],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT),
+        q_rope,
+    )
+    kv_lat_s = gl.allocate_shared_memory(
+        DT,
+        [NUM_BUF, BLOCK_N, LATENT],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], DT),
+    )
+    kv_rope_s = gl.allocate_shared_memory(
+        DT,
+        [NUM_BUF, BLOCK_N, ROPE],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
+    )
+    p_s = gl.allocate_shared_memory(
+        DT,
+        [BLOCK_M, BLOCK_N],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT),
+    )
+
+    # Tiles 0 .. NUM_BUF-2 in flight before the loop; page ids one tile ahead.
+    bt_row = block_table_ptr + req.to(gl.int64) * stride_bt_req
+    for j in gl.static_range(NUM_BUF - 1):
+        n_j = start + j * BLOCK_N
+        _gl_issue_tile(
+            kv_ptr,
+            _gl_tile_pages(bt_row, n_j, end, BLOCK_N, PAGE_SIZE, LD_LAT),
+            _gl_tile_pages(bt_row, n_j, end, BLOCK_N, PAGE_SIZE, LD_ROPE),
+            n_j,
+            end,
+            kv_lat_s.index(j),
+            kv_rope_s.index(j),
+            stride_kv_page,
+            stride_kv_token,
+            BLOCK_N,
+            PAGE_SIZE,
+            LATENT,
+            ROPE,
+            LD_LAT,
+            LD_ROPE,
+        )
+        async_copy.commit_group()
+    n_issue = start + (NUM_BUF - 1) * BLOCK_N
+    page_lat = _gl_tile_pages(bt_row, n_issue, end, BLOCK_N, PAGE_SIZE, LD_LAT)
+    page_rope = _gl_tile_pages(bt_row, n_issue, end, BLOCK_N, PAGE_SIZE, LD_ROPE)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+    acc = gl.zeros([BLOCK_M, LATENT], gl.float32, O_L)
+    for it in range(num_tiles):
+        buf = it % NUM_BUF
+        n0 = start + it * BLOCK_N
+        # Every warp is past tile it-1's products: its buffer can be refilled.
+        _cta_barrier()
+        n_issue = n0 + (NUM_BUF - 1) * BLOCK_N
+        refill = (it + NUM_BUF - 1) % NUM_BUF
+        _gl_issue_tile(
+            kv_ptr,
+            page_lat,
+            page_rope,
+            n_issue,
+            end,
+            kv_lat_s.index(refill),
+            kv_rope_s.index(refill),
+            stride_kv_page,
+            stride_kv_token,
+            BLOCK_N,
+            PAGE_SIZE,
+            LATENT,
+            ROPE,
+            LD_LAT,
+            LD_ROPE,
+        )
+        async_copy.commit_group()
+        page_lat = _gl_tile_pages(
+            bt_row, n_issue + BLOCK_N, end, BLOCK_N, PAGE_SIZE, LD_LAT
+        )
+        page_rope = _gl_tile_pages(
+            bt_row, n_issue + BLOCK_N, end, BLOCK_N, PAGE_SIZE, LD_ROPE
+        )
+        async_copy.wait_group(NUM_BUF - 1)
+        _cta_barrier()
+        fence_async_shared()
+        k_lat = kv_lat_s.index(buf)
+        s = warpgroup_mma(
+            q_lat_s,
+            k_lat.permute((1, 0)),
+            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
+            use_acc=False,
+        )
+        s = warpgroup_mma(q_rope_s, kv_rope_s.index(buf).permute((1, 0)), s)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        s = gl.where(
+            gl.expand_dims(offs_n, 0) < gl.expand_dims(local, 1),
+            s * sm_scale_log2,
+            float("-inf"),
+        )
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 instead.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_s.store(p.to(DT))
+        fence_async_shared()
+        _cta_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        acc = warpgroup_mma(p_s, k_lat, acc)
+    async_copy.wait_group(0)
+
+    seen = l_i > 0.0
+    # Scores are in log2 units; ln(2) turns the LSE into natural log.
+    lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+    part = ((req * QUERY_LEN + t).to(gl.int64) * num_heads + head) * num_splits + split
+    gl.store(part_lse_ptr + part, lse, mask=valid)
+    inv = gl.convert_layout(gl.where(seen, 1.0 / l_i, 0.0), ROW_O)
+    part_o = gl.convert_layout(part, ROW_O)
+    written = gl.convert_layout(valid & seen, ROW_O)
+    offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_L))
+    gl.store(
+        part_o_ptr + gl.expand_dims(part_o, 1) * LATENT + gl.expand_dims(offs_l, 0),
+        acc * gl.expand_dims(inv, 1),
+        mask=gl.expand_dims(written, 1),
+    )
+
+
+@gluon.jit
+def _gl_load_queries(
+    q_ptr,
+    req,
+    head_tile,
+    num_heads,
+    stride_q_row,
+    stride_q_head,
+    col0,
+    QUERY_LEN: gl.constexpr,
+    HEADS_PER_TILE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    WIDTH: gl.constexpr,
+    LD: gl.constexpr,
+):
+    """The tile's folded query rows, columns ``col0 .. col0 + WIDTH``."""
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+    t = offs_m // HEADS_PER_TILE
+    head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    valid = (t < QUERY_LEN) & (head < num_heads)
+    row_off = (req * QUERY_LEN + t).to(gl.int64) * stride_q_row + head * stride_q_head
+    offs_c = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LD))
+    return gl.load(
+        q_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_c, 0),
+        mask=gl.expand_dims(valid, 1),
+        other=0.0,
+    )
+
+
 def fused_mla_verify_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -379,6 +742,11 @@ def fused_mla_verify_decode(
             f"config.heads_per_tile={cfg.heads_per_tile} must be >= 1 and fold "
             f"with query_len={query_len} into at most {_MAX_BLOCK_M} rows"
         )
+    if cfg.use_gluon and (cfg.num_warps != 8 or cfg.block_n not in (32, 64)):
+        raise ValueError(
+            "the Gluon kernel needs num_warps=8 and block_n 32 or 64, got "
+            f"{cfg.num_warps} and {cfg.block_n}"
+        )
     parts = num_rows * num_heads * num_kv_splits
     part_o = workspace[: parts * KV_LORA_RANK]
     part_lse = workspace[parts * KV_LORA_RANK : parts * (KV_LORA_RANK + 1)]
@@ -387,38 +755,70 @@ def fused_mla_verify_decode(
     k_scale_arg = k_scale if is_fp8 else workspace
 
     grid = (num_head_tiles(num_heads, cfg), num_kv_splits, num_reqs)
-    _verify_split_kernel[grid](
-        q,
-        kv_cache,
-        block_table,
-        seq_lens,
-        num_valid_arg,
-        k_scale_arg,
-        part_o,
-        part_lse,
-        sm_scale * _LOG2E,
-        num_heads,
-        dcp_size,
-        dcp_rank,
-        cp_interleave,
-        q.stride(0),
-        q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        QUERY_LEN=query_len,
-        HEADS_PER_TILE=cfg.heads_per_tile,
-        BLOCK_M=_block_m(query_len, cfg.heads_per_tile),
-        BLOCK_N=cfg.block_n,
-        PAGE_SIZE=kv_cache.shape[1],
-        CAUSAL=causal,
-        HAS_NUM_VALID=num_valid_reqs is not None,
-        IS_FP8=is_fp8,
-        LATENT=KV_LORA_RANK,
-        ROPE=ROPE_DIM,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    block_m = _block_m(query_len, cfg.heads_per_tile)
+    if cfg.use_gluon and runs_gluon_kernel(q.device, kv_cache.dtype, q.dtype, block_m):
+        _gl_verify_split_kernel[grid](
+            q,
+            kv_cache,
+            block_table,
+            seq_lens,
+            num_valid_arg,
+            part_o,
+            part_lse,
+            sm_scale * _LOG2E,
+            num_heads,
+            dcp_size,
+            dcp_rank,
+            cp_interleave,
+            q.stride(0),
+            q.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            QUERY_LEN=query_len,
+            HEADS_PER_TILE=cfg.heads_per_tile,
+            BLOCK_N=cfg.block_n,
+            NUM_BUF=cfg.num_stages,
+            PAGE_SIZE=kv_cache.shape[1],
+            CAUSAL=causal,
+            HAS_NUM_VALID=num_valid_reqs is not None,
+            LATENT=KV_LORA_RANK,
+            ROPE=ROPE_DIM,
+            num_warps=8,
+        )
+    else:
+        _verify_split_kernel[grid](
+            q,
+            kv_cache,
+            block_table,
+            seq_lens,
+            num_valid_arg,
+            k_scale_arg,
+            part_o,
+            part_lse,
+            sm_scale * _LOG2E,
+            num_heads,
+            dcp_size,
+            dcp_rank,
+            cp_interleave,
+            q.stride(0),
+            q.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            QUERY_LEN=query_len,
+            HEADS_PER_TILE=cfg.heads_per_tile,
+            BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n,
+            PAGE_SIZE=kv_cache.shape[1],
+            CAUSAL=causal,
+            HAS_NUM_VALID=num_valid_reqs is not None,
+            IS_FP8=is_fp8,
+            LATENT=KV_LORA_RANK,
+            ROPE=ROPE_DIM,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     _verify_merge_kernel[(num_rows, num_heads)](
         part_o,
         part_lse,
