@@ -138,8 +138,9 @@ def test_gluon_kernel_runs_only_on_gpus(fused_verify):
     )
 
 
+@pytest.mark.parametrize("kv", ["*bf16", "*fp8e4nv"])
 @pytest.mark.parametrize(("block_n", "num_buf"), [(64, 2), (32, 4)])
-def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf):
+def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf, kv):
     """The installed Triton lowers the Gluon kernel to sm_90 code (offline, no
     GPU needed) within Hopper's shared memory: Gluon is experimental and its
     API changes between Triton releases."""
@@ -155,11 +156,12 @@ def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf):
         "PAGE_SIZE": 64,
         "CAUSAL": True,
         "HAS_NUM_VALID": True,
+        "IS_FP8": kv == "*fp8e4nv",
         "LATENT": 512,
         "ROPE": 64,
     }
-    pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "part_o_ptr": "*fp32"}
-    pointers["part_lse_ptr"] = "*fp32"
+    pointers = {"q_ptr": "*bf16", "kv_ptr": kv, "k_scale_ptr": "*fp32"}
+    pointers |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:

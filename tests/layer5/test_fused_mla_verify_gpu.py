@@ -170,24 +170,27 @@ def test_bf16_kv_matches_float64_reference(fused_verify, query_len, heads, page_
     _assert_matches(o, lse, *_reference(q, stored, query_len))
 
 
+@pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
 @pytest.mark.parametrize(
     ("query_len", "heads", "page_size"),
     [(4, 16, 64), (3, 12, 16), (8, 16, 32), (4, 96, 64)],
 )
 def test_both_kernels_of_64_row_tiles_match_float64_reference(
-    fused_verify, use_gluon, query_len, heads, page_size
+    fused_verify, use_gluon, kv_dtype, query_len, heads, page_size
 ):
     """The Gluon kernel (the default on Hopper) and the Triton kernel (the
     default elsewhere) on the same 64-row tiling."""
-    gluon_here = fused_verify.runs_gluon_kernel(torch.device(DEVICE), BF16, BF16, 64)
+    gluon_here = fused_verify.runs_gluon_kernel(
+        torch.device(DEVICE), kv_dtype, BF16, 64
+    )
     if use_gluon and not gluon_here:
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
     config = dataclasses.replace(
         fused_verify.default_config(query_len, heads), use_gluon=use_gluon
     )
     seq_lens = _random_lens(query_len, 20_000)
-    stored = [random_kv(n, BF16, K_SCALE, DEVICE) for n in seq_lens]
+    stored = [random_kv(n, kv_dtype, K_SCALE, DEVICE) for n in seq_lens]
     cache, table = paged_cache(stored, page_size)
     q = _queries(len(seq_lens), query_len, heads)
     o, lse = _run(

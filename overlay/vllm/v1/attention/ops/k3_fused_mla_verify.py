@@ -11,10 +11,10 @@ the tensor-core products. A second kernel merges the KV splits by their
 log-sum-exp.
 
 Two implementations of the split kernel compute the same thing: a Triton
-kernel for every supported case, and on Hopper (sm_90) with a 16-bit KV cache
-and 64 folded rows a Gluon kernel whose explicit two-buffer pipeline issues
-the copy of KV tile i+1 before the products of tile i (Triton's pipeliner
-issues it after them, leaving the copy exposed).
+kernel for every supported case, and on Hopper (sm_90) with 64 folded rows a
+Gluon kernel whose explicit two-buffer pipeline issues the copy of KV tile i+1
+before the products of tile i (Triton's pipeliner issues it after them,
+leaving the copy exposed).
 
 Contracts (``fused_mla_verify_decode``):
 
@@ -81,7 +81,7 @@ class VerifyKernelConfig:
 
     ``heads_per_tile`` heads x ``query_len`` rows form the M dimension of one
     program; ``block_n`` KV tokens are loaded per step. ``use_gluon`` runs the
-    Hopper kernel where it applies (sm_90, 16-bit KV cache, 64 folded rows;
+    Hopper kernel where it applies (sm_90, 64 folded rows;
     it needs 8 warps and keeps ``num_stages`` KV tiles in shared memory),
     the Triton kernel elsewhere.
     """
@@ -166,11 +166,11 @@ def runs_gluon_kernel(
     block_m: int,
 ) -> bool:
     """Whether a ``use_gluon`` tiling runs the Gluon kernel here: a Hopper (sm_90)
-    device, a KV cache in the query's 16-bit dtype, 64 folded rows."""
+    device, a KV cache in the query's dtype or fp8 e4m3, 64 folded rows."""
     return (
         device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] == 9
-        and kv_dtype == q_dtype
+        and kv_dtype in (q_dtype, torch.float8_e4m3fn)
         and block_m == _MAX_BLOCK_M
     )
 
@@ -425,6 +425,7 @@ def _gl_verify_split_kernel(
     block_table_ptr,
     seq_lens_ptr,
     num_valid_ptr,
+    k_scale_ptr,
     part_o_ptr,
     part_lse_ptr,
     sm_scale_log2,
@@ -444,21 +445,29 @@ def _gl_verify_split_kernel(
     PAGE_SIZE: gl.constexpr,
     CAUSAL: gl.constexpr,
     HAS_NUM_VALID: gl.constexpr,
+    IS_FP8: gl.constexpr,
     LATENT: gl.constexpr,
     ROPE: gl.constexpr,
 ):
-    """``_verify_split_kernel`` for sm_90, 16-bit KV, 64 rows, 8 warps.
+    """``_verify_split_kernel`` for sm_90, 64 rows, 8 warps.
 
     Each iteration first issues the copy of tile it + NUM_BUF - 1 into the
     buffer tile it - 1 used, then waits for tile it and runs its products.
     The score product is split over the two warpgroups by columns (no
     duplicated work); softmax weights go through shared memory to the P.V
-    product, whose 512 output columns are split the same way.
+    product, whose 512 output columns are split the same way. An fp8 tile is
+    copied as fp8 (half the bytes) and converted to the query dtype in shared
+    memory before the products; ``k_scale`` scales the scores and the output.
     """
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
-    LD_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    KV_DT: gl.constexpr = kv_ptr.dtype.element_ty
+    # 16-byte vectors: 8 16-bit or 16 fp8 elements a thread.
+    VEC: gl.constexpr = 8 * (1 + IS_FP8)
+    LD_LAT: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [8, 1], [1, 0])
+    LD_ROPE: gl.constexpr = gl.BlockedLayout(
+        [1, VEC], [32 * VEC // ROPE, ROPE // VEC], [8, 1], [1, 0]
+    )
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
     )
@@ -537,15 +546,31 @@ def _gl_verify_split_kernel(
         q_rope,
     )
     kv_lat_s = gl.allocate_shared_memory(
-        DT,
+        KV_DT,
         [NUM_BUF, BLOCK_N, LATENT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], DT),
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], KV_DT),
     )
     kv_rope_s = gl.allocate_shared_memory(
-        DT,
+        KV_DT,
         [NUM_BUF, BLOCK_N, ROPE],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], KV_DT),
     )
+    if IS_FP8:
+        # The tile in the query dtype, for the products.
+        k16_lat = gl.allocate_shared_memory(
+            DT,
+            [BLOCK_N, LATENT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], DT),
+        )
+        k16_rope = gl.allocate_shared_memory(
+            DT,
+            [BLOCK_N, ROPE],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
+        )
+        k_scale = gl.load(k_scale_ptr).to(gl.float32)
+    else:
+        k_scale = 1.0
+    qk_scale = sm_scale_log2 * k_scale
     p_s = gl.allocate_shared_memory(
         DT,
         [BLOCK_M, BLOCK_N],
@@ -614,19 +639,28 @@ def _gl_verify_split_kernel(
         )
         async_copy.wait_group(NUM_BUF - 1)
         _cta_barrier()
-        fence_async_shared()
-        k_lat = kv_lat_s.index(buf)
+        if IS_FP8:
+            k16_lat.store(kv_lat_s.index(buf).load(LD_LAT).to(DT))
+            k16_rope.store(kv_rope_s.index(buf).load(LD_ROPE).to(DT))
+            fence_async_shared()
+            _cta_barrier()
+            k_lat = k16_lat
+            k_rope = k16_rope
+        else:
+            fence_async_shared()
+            k_lat = kv_lat_s.index(buf)
+            k_rope = kv_rope_s.index(buf)
         s = warpgroup_mma(
             q_lat_s,
             k_lat.permute((1, 0)),
             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
             use_acc=False,
         )
-        s = warpgroup_mma(q_rope_s, kv_rope_s.index(buf).permute((1, 0)), s)
+        s = warpgroup_mma(q_rope_s, k_rope.permute((1, 0)), s)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         s = gl.where(
             gl.expand_dims(offs_n, 0) < gl.expand_dims(local, 1),
-            s * sm_scale_log2,
+            s * qk_scale,
             float("-inf"),
         )
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -648,7 +682,7 @@ def _gl_verify_split_kernel(
     lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     part = ((req * QUERY_LEN + t).to(gl.int64) * num_heads + head) * num_splits + split
     gl.store(part_lse_ptr + part, lse, mask=valid)
-    inv = gl.convert_layout(gl.where(seen, 1.0 / l_i, 0.0), ROW_O)
+    inv = gl.convert_layout(gl.where(seen, k_scale / l_i, 0.0), ROW_O)
     part_o = gl.convert_layout(part, ROW_O)
     written = gl.convert_layout(valid & seen, ROW_O)
     offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_L))
@@ -763,6 +797,7 @@ def fused_mla_verify_decode(
             block_table,
             seq_lens,
             num_valid_arg,
+            k_scale_arg,
             part_o,
             part_lse,
             sm_scale * _LOG2E,
@@ -782,6 +817,7 @@ def fused_mla_verify_decode(
             PAGE_SIZE=kv_cache.shape[1],
             CAUSAL=causal,
             HAS_NUM_VALID=num_valid_reqs is not None,
+            IS_FP8=is_fp8,
             LATENT=KV_LORA_RANK,
             ROPE=ROPE_DIM,
             num_warps=8,
