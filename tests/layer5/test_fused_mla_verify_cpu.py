@@ -138,6 +138,21 @@ def test_gluon_kernel_runs_only_on_gpus(fused_verify):
     )
 
 
+def test_both_split_kernels_take_the_same_runtime_arguments(fused_verify):
+    """One argument tuple feeds either kernel (fused_mla_verify_decode)."""
+
+    def runtime(kernel) -> list[str]:
+        return [
+            name
+            for i, name in enumerate(kernel.arg_names)
+            if i not in kernel.constexprs
+        ]
+
+    gluon_args = runtime(fused_verify._gl_verify_split_kernel)
+    assert gluon_args == runtime(fused_verify._verify_split_kernel)
+    assert gluon_args[0] == "q_ptr" and gluon_args[-1] == "stride_bt_req"
+
+
 @pytest.mark.parametrize("kv", ["*bf16", "*fp8e4nv"])
 @pytest.mark.parametrize(("block_n", "num_buf"), [(64, 2), (32, 4)])
 def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf, kv):
