@@ -45,19 +45,18 @@ class _TimedSocket:
         self.socket = socket
         self.seconds = 0.0
 
-    def send_multipart(self, *args: Any, **kwargs: Any) -> Any:
+    def _timed(self, method: str, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return self.socket.send_multipart(*args, **kwargs)
+            return getattr(self.socket, method)(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
 
+    def send_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("send_multipart", *args, **kwargs)
+
     def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return self.socket.recv_multipart(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
+        return self._timed("recv_multipart", *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.socket, name)
