@@ -133,13 +133,41 @@ def test_default_config_keeps_triton_for_fewer_rows(fused_verify, query_len, hea
 
 
 def test_gluon_kernel_runs_only_on_gpus(fused_verify):
-    assert not fused_verify.runs_gluon_kernel(
-        torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64
-    )
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert not fused_verify.runs_gluon_kernel(cache, torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "rows"), [(64, 64), (128, 64), (256, 64), (16, 16), (32, 32), (8, 8)]
+)
+def test_tma_copies_a_tile_or_a_page_whichever_is_shorter(
+    fused_verify, page_size, rows
+):
+    cache = torch.zeros(3, page_size, 576, dtype=torch.bfloat16)
+    assert fused_verify._tma_box_rows(cache, 64) == rows
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        torch.zeros(3, 4, 576, dtype=torch.bfloat16),  # pages under 8 tokens
+        torch.zeros(3, 48, 576, dtype=torch.bfloat16),  # 48 does not tile 64
+        torch.zeros(3, 96, 576, dtype=torch.bfloat16),  # nor 64 tile 96
+        torch.zeros(3, 64, 580, dtype=torch.bfloat16)[:, :, :576],  # 1160 B rows
+        torch.zeros(3, 80, 576, dtype=torch.bfloat16)[:, :64],  # pages 80 apart
+        torch.zeros(3 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(3, 64, 576),
+    ],
+    ids=["page4", "page48", "page96", "row-stride", "page-stride", "unaligned"],
+)
+def test_caches_tma_cannot_address_take_the_triton_kernel(fused_verify, cache):
+    assert fused_verify._tma_box_rows(cache, 64) is None
+    assert not fused_verify.runs_gluon_kernel(cache, torch.bfloat16, 64)
 
 
 def test_both_split_kernels_take_the_same_runtime_arguments(fused_verify):
-    """One argument tuple feeds either kernel (fused_mla_verify_decode)."""
+    """One argument tuple feeds either kernel (fused_mla_verify_decode) after
+    the query and how each addresses the KV cache: pointer and strides, or
+    TMA descriptors."""
 
     def runtime(kernel) -> list[str]:
         return [
@@ -149,17 +177,25 @@ def test_both_split_kernels_take_the_same_runtime_arguments(fused_verify):
         ]
 
     gluon_args = runtime(fused_verify._gl_verify_split_kernel)
-    assert gluon_args == runtime(fused_verify._verify_split_kernel)
-    assert gluon_args[0] == "q_ptr" and gluon_args[-1] == "stride_bt_req"
+    triton_args = runtime(fused_verify._verify_split_kernel)
+    assert gluon_args[:3] == ["q_ptr", "kv_lat_desc", "kv_rope_desc"]
+    assert triton_args[:4] == ["q_ptr", "kv_ptr", "stride_kv_page", "stride_kv_token"]
+    assert gluon_args[3:] == triton_args[4:]
+    assert gluon_args[-1] == "stride_bt_req"
 
 
 @pytest.mark.parametrize("kv", ["*bf16", "*fp8e4nv"])
 @pytest.mark.parametrize(("block_n", "num_buf"), [(64, 2), (32, 4)])
-def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf, kv):
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_gluon_kernel_compiles_for_hopper(
+    fused_verify, block_n, num_buf, kv, page_size
+):
     """The installed Triton lowers the Gluon kernel to sm_90 code (offline, no
-    GPU needed) within Hopper's shared memory: Gluon is experimental and its
-    API changes between Triton releases."""
+    GPU needed) within Hopper's shared memory, its tiles copied by TMA a tile
+    or a page at a time: Gluon is experimental and its API changes between
+    Triton releases."""
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = fused_verify._gl_verify_split_kernel
@@ -168,19 +204,27 @@ def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf, kv):
         "HEADS_PER_TILE": 16,
         "BLOCK_N": block_n,
         "NUM_BUF": num_buf,
-        "PAGE_SIZE": 64,
+        "PAGE_SIZE": page_size,
         "CAUSAL": True,
         "HAS_NUM_VALID": True,
         "IS_FP8": kv == "*fp8e4nv",
         "LATENT": 512,
         "ROPE": 64,
     }
-    pointers = {"q_ptr": "*bf16", "kv_ptr": kv, "k_scale_ptr": "*fp32"}
+    rows = min(block_n, page_size)
+    kv_dtype = gl.float8e4nv if kv == "*fp8e4nv" else gl.bfloat16
+    descriptors = {}
+    for name, cols in (("kv_lat_desc", 512), ("kv_rope_desc", 64)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], kv_dtype)
+        descriptors[name] = f"tensordesc<{kv[1:]}[{rows},{cols}],{layout!r}>"
+    pointers = {"q_ptr": "*bf16", "k_scale_ptr": "*fp32"}
     pointers |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = descriptors[name]
         elif name.endswith("_ptr"):
             signature[name] = pointers.get(name, "*i32")
         else:
@@ -198,7 +242,7 @@ def test_gluon_kernel_compiles_for_hopper(fused_verify, block_n, num_buf, kv):
     )
     assert 0 < compiled.metadata.shared <= 227 * 1024
     assert "wgmma.mma_async" in compiled.asm["ptx"]
-    assert "cp.async" in compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("dcp_size", [1, 2, 3, 4, 8])

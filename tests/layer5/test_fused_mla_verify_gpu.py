@@ -181,17 +181,14 @@ def test_both_kernels_of_64_row_tiles_match_float64_reference(
 ):
     """The Gluon kernel (the default on Hopper) and the Triton kernel (the
     default elsewhere) on the same 64-row tiling."""
-    gluon_here = fused_verify.runs_gluon_kernel(
-        torch.device(DEVICE), kv_dtype, BF16, 64
-    )
-    if use_gluon and not gluon_here:
-        pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
     config = dataclasses.replace(
         fused_verify.default_config(query_len, heads), use_gluon=use_gluon
     )
     seq_lens = _random_lens(query_len, 20_000)
     stored = [random_kv(n, kv_dtype, K_SCALE, DEVICE) for n in seq_lens]
     cache, table = paged_cache(stored, page_size)
+    if use_gluon and not fused_verify.runs_gluon_kernel(cache, BF16, 64):
+        pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
     q = _queries(len(seq_lens), query_len, heads)
     o, lse = _run(
         fused_verify, q, cache, table, seq_lens, query_len=query_len, config=config

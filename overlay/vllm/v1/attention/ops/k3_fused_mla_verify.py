@@ -12,9 +12,9 @@ log-sum-exp.
 
 Two implementations of the split kernel compute the same thing: a Triton
 kernel for every supported case, and on Hopper (sm_90) with 64 folded rows a
-Gluon kernel whose explicit two-buffer pipeline issues the copy of KV tile i+1
-before the products of tile i (Triton's pipeliner issues it after them,
-leaving the copy exposed).
+Gluon kernel whose explicit two-buffer pipeline issues the TMA copy of KV tile
+i+1 before the products of tile i (Triton's pipeliner issues its copy after
+them, leaving the copy exposed).
 
 Contracts (``fused_mla_verify_decode``):
 
@@ -50,11 +50,13 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
+    tma,
     warpgroup_mma,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -69,10 +71,10 @@ _MIN_TOKENS_PER_SPLIT = 256
 _LOG2E = math.log2(math.e)
 # Gluon renamed these between Triton 3.6 and 3.8 (getattr: neither name exists
 # in both).
-_async_load = getattr(async_copy, "async_load", None) or getattr(  # noqa: B009
-    async_copy, "async_copy_global_to_shared"
-)
 _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")  # noqa: B009
+_tma_load = getattr(tma, "async_load", None) or getattr(  # noqa: B009
+    tma, "async_copy_global_to_shared"
+)
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,9 @@ class VerifyKernelConfig:
 
     ``heads_per_tile`` heads x ``query_len`` rows form the M dimension of one
     program; ``block_n`` KV tokens are loaded per step. ``use_gluon`` runs the
-    Hopper kernel where it applies (sm_90, 64 folded rows;
-    it needs 8 warps and keeps ``num_stages`` KV tiles in shared memory),
-    the Triton kernel elsewhere.
+    Hopper kernel where it applies (``runs_gluon_kernel``; it needs 8 warps
+    and keeps ``num_stages`` KV tiles in shared memory), the Triton kernel
+    elsewhere.
     """
 
     heads_per_tile: int
@@ -160,18 +162,17 @@ def _block_m(query_len: int, heads_per_tile: int) -> int:
 
 
 def runs_gluon_kernel(
-    device: torch.device,
-    kv_dtype: torch.dtype,
-    q_dtype: torch.dtype,
-    block_m: int,
+    kv_cache: torch.Tensor, q_dtype: torch.dtype, block_m: int, block_n: int = 64
 ) -> bool:
-    """Whether a ``use_gluon`` tiling runs the Gluon kernel here: a Hopper (sm_90)
-    device, a KV cache in the query's dtype or fp8 e4m3, 64 folded rows."""
+    """Whether a ``use_gluon`` tiling runs the Gluon kernel on this cache: a
+    Hopper (sm_90) device, a KV cache in the query's dtype or fp8 e4m3 whose
+    token rows TMA can address (``_tma_box_rows``), 64 folded rows."""
     return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] == 9
-        and kv_dtype in (q_dtype, torch.float8_e4m3fn)
+        kv_cache.device.type == "cuda"
+        and torch.cuda.get_device_capability(kv_cache.device)[0] == 9
+        and kv_cache.dtype in (q_dtype, torch.float8_e4m3fn)
         and block_m == _MAX_BLOCK_M
+        and _tma_box_rows(kv_cache, block_n) is not None
     )
 
 
@@ -179,6 +180,8 @@ def runs_gluon_kernel(
 def _verify_split_kernel(
     q_ptr,
     kv_ptr,
+    stride_kv_page,
+    stride_kv_token,
     block_table_ptr,
     seq_lens_ptr,
     num_valid_ptr,
@@ -192,8 +195,6 @@ def _verify_split_kernel(
     cp_interleave,
     stride_q_row,
     stride_q_head,
-    stride_kv_page,
-    stride_kv_token,
     stride_bt_req,
     QUERY_LEN: tl.constexpr,
     HEADS_PER_TILE: tl.constexpr,
@@ -328,6 +329,7 @@ def _verify_merge_kernel(
     stride_lse_head,
     QUERY_LEN: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
     HAS_NUM_VALID: tl.constexpr,
     LATENT: tl.constexpr,
 ):
@@ -347,15 +349,20 @@ def _verify_merge_kernel(
 
     offs_l = tl.arange(0, LATENT)
     acc = tl.zeros([LATENT], tl.float32)
-    for s in range(num_splits):
-        lse_one = tl.load(part_lse_ptr + base + s)
+    for s0 in range(0, num_splits, CHUNK_S):
+        offs_c = s0 + tl.arange(0, CHUNK_S)
+        lse_c = tl.load(
+            part_lse_ptr + base + offs_c,
+            mask=offs_c < num_splits,
+            other=float("-inf"),
+        )
         # Splits with no visible KV left their partial output unwritten.
         part = tl.load(
-            part_o_ptr + (base + s) * LATENT + offs_l,
-            mask=offs_l < tl.where(lse_one > float("-inf"), LATENT, 0),
+            part_o_ptr + (base + offs_c)[:, None] * LATENT + offs_l[None, :],
+            mask=(lse_c > float("-inf"))[:, None],
             other=0.0,
         )
-        acc += tl.exp(lse_one - m_safe) * part
+        acc += tl.sum(tl.exp(lse_c - m_safe)[:, None] * part, axis=0)
 
     seen = denom > 0.0
     inv = tl.where(seen, 1.0 / denom, 0.0)
@@ -368,60 +375,51 @@ def _verify_merge_kernel(
 
 
 @gluon.jit
-def _gl_tile_pages(
-    bt_row, n0, end, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, LD: gl.constexpr
-):
-    """Page ids of the tokens of the tile at ``n0``, in ``LD``'s row layout."""
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    return gl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
-
-
-@gluon.jit
 def _gl_issue_tile(
-    kv_ptr,
-    page_lat,
-    page_rope,
+    lat_desc,
+    rope_desc,
+    bt_row,
     n0,
     end,
+    bar,
     lat_buf,
     rope_buf,
-    stride_kv_page,
-    stride_kv_token,
     BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     LATENT: gl.constexpr,
-    ROPE: gl.constexpr,
-    LD_LAT: gl.constexpr,
-    LD_ROPE: gl.constexpr,
 ):
-    """Start copying the tile at ``n0`` into shared memory (tokens at or past
-    ``end`` are zero-filled)."""
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
-    tok = (
-        page_lat.to(gl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+    """Start the TMA copy of the tile at ``n0`` (nothing if ``n0 >= end``);
+    ``bar`` completes when all of it has landed. Rows at or past ``end`` hold
+    whatever the cache holds there (page 0 where no page is mapped)."""
+    ROWS: gl.constexpr = lat_desc.block_type.shape[0]
+    live = n0 < end
+    NBYTES: gl.constexpr = (BLOCK_N // ROWS) * (
+        lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
     )
-    offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD_LAT))
-    _async_load(
-        lat_buf,
-        kv_ptr + gl.expand_dims(tok, 1) + gl.expand_dims(offs_l, 0),
-        mask=gl.expand_dims(offs_n < end, 1),
-    )
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_ROPE))
-    tok = (
-        page_rope.to(gl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
-    )
-    offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD_ROPE))
-    _async_load(
-        rope_buf,
-        kv_ptr + gl.expand_dims(tok, 1) + LATENT + gl.expand_dims(offs_r, 0),
-        mask=gl.expand_dims(offs_n < end, 1),
-    )
+    mbarrier.expect(bar, NBYTES, pred=live)
+    for j in gl.static_range(BLOCK_N // ROWS):
+        n = n0 + j * ROWS
+        page = gl.load(bt_row + n // PAGE_SIZE, mask=live & (n < end), other=0)
+        row = page * PAGE_SIZE + n % PAGE_SIZE
+        _tma_load(lat_desc, [row, 0], bar, lat_buf.slice(j * ROWS, ROWS), pred=live)
+        _tma_load(
+            rope_desc, [row, LATENT], bar, rope_buf.slice(j * ROWS, ROWS), pred=live
+        )
+
+
+@gluon.jit
+def _gl_zero_rows_from(buf, first, n0, LD: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Zero the rows of a landed tile at tokens ``>= first``."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    x = buf.load(LD)
+    buf.store(gl.where(gl.expand_dims(offs_n < first, 1), x, gl.zeros_like(x)))
 
 
 @gluon.jit
 def _gl_verify_split_kernel(
     q_ptr,
-    kv_ptr,
+    kv_lat_desc,
+    kv_rope_desc,
     block_table_ptr,
     seq_lens_ptr,
     num_valid_ptr,
@@ -435,8 +433,6 @@ def _gl_verify_split_kernel(
     cp_interleave,
     stride_q_row,
     stride_q_head,
-    stride_kv_page,
-    stride_kv_token,
     stride_bt_req,
     QUERY_LEN: gl.constexpr,
     HEADS_PER_TILE: gl.constexpr,
@@ -449,10 +445,11 @@ def _gl_verify_split_kernel(
     LATENT: gl.constexpr,
     ROPE: gl.constexpr,
 ):
-    """``_verify_split_kernel`` for sm_90, 64 rows, 8 warps.
+    """``_verify_split_kernel`` for sm_90, 64 rows, 8 warps, KV tiles by TMA.
 
     Each iteration first issues the copy of tile it + NUM_BUF - 1 into the
-    buffer tile it - 1 used, then waits for tile it and runs its products.
+    buffer tile it - 1 used (one thread; an mbarrier per buffer counts the
+    bytes in), then waits for tile it and runs its products.
     The score product is split over the two warpgroups by columns (no
     duplicated work); softmax weights go through shared memory to the P.V
     product, whose 512 output columns are split the same way. An fp8 tile is
@@ -461,7 +458,7 @@ def _gl_verify_split_kernel(
     """
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
-    KV_DT: gl.constexpr = kv_ptr.dtype.element_ty
+    KV_DT: gl.constexpr = kv_lat_desc.dtype
     # 16-byte vectors: 8 16-bit or 16 fp8 elements a thread.
     VEC: gl.constexpr = 8 * (1 + IS_FP8)
     LD_LAT: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [8, 1], [1, 0])
@@ -504,7 +501,57 @@ def _gl_verify_split_kernel(
     end = gl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
-    # Queries into shared memory, for every product of the loop.
+    kv_lat_s = gl.allocate_shared_memory(
+        KV_DT, [NUM_BUF, BLOCK_N, LATENT], kv_lat_desc.layout
+    )
+    kv_rope_s = gl.allocate_shared_memory(
+        KV_DT, [NUM_BUF, BLOCK_N, ROPE], kv_rope_desc.layout
+    )
+    # bars[b] completes when the tile copied into buffer b has landed.
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_BUF):
+        mbarrier.init(bars.index(j), count=1)
+    _cta_barrier()
+    if IS_FP8:
+        # The tile in the query dtype, for the products.
+        k16_lat = gl.allocate_shared_memory(
+            DT,
+            [BLOCK_N, LATENT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], DT),
+        )
+        k16_rope = gl.allocate_shared_memory(
+            DT,
+            [BLOCK_N, ROPE],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
+        )
+        k_scale = gl.load(k_scale_ptr).to(gl.float32)
+    else:
+        k_scale = 1.0
+    qk_scale = sm_scale_log2 * k_scale
+    p_s = gl.allocate_shared_memory(
+        DT,
+        [BLOCK_M, BLOCK_N],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT),
+    )
+
+    # Tiles 0 .. NUM_BUF-2 in flight before the loop.
+    bt_row = block_table_ptr + req.to(gl.int64) * stride_bt_req
+    for j in gl.static_range(NUM_BUF - 1):
+        _gl_issue_tile(
+            kv_lat_desc,
+            kv_rope_desc,
+            bt_row,
+            start + j * BLOCK_N,
+            end,
+            bars.index(j),
+            kv_lat_s.index(j),
+            kv_rope_s.index(j),
+            BLOCK_N,
+            PAGE_SIZE,
+            LATENT,
+        )
+    # Queries into shared memory, for every product of the loop, while the
+    # first tiles are in flight.
     q_lat = _gl_load_queries(
         q_ptr,
         req,
@@ -545,63 +592,7 @@ def _gl_verify_split_kernel(
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT),
         q_rope,
     )
-    kv_lat_s = gl.allocate_shared_memory(
-        KV_DT,
-        [NUM_BUF, BLOCK_N, LATENT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], KV_DT),
-    )
-    kv_rope_s = gl.allocate_shared_memory(
-        KV_DT,
-        [NUM_BUF, BLOCK_N, ROPE],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], KV_DT),
-    )
-    if IS_FP8:
-        # The tile in the query dtype, for the products.
-        k16_lat = gl.allocate_shared_memory(
-            DT,
-            [BLOCK_N, LATENT],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], DT),
-        )
-        k16_rope = gl.allocate_shared_memory(
-            DT,
-            [BLOCK_N, ROPE],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
-        )
-        k_scale = gl.load(k_scale_ptr).to(gl.float32)
-    else:
-        k_scale = 1.0
-    qk_scale = sm_scale_log2 * k_scale
-    p_s = gl.allocate_shared_memory(
-        DT,
-        [BLOCK_M, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT),
-    )
-
-    # Tiles 0 .. NUM_BUF-2 in flight before the loop; page ids one tile ahead.
-    bt_row = block_table_ptr + req.to(gl.int64) * stride_bt_req
-    for j in gl.static_range(NUM_BUF - 1):
-        n_j = start + j * BLOCK_N
-        _gl_issue_tile(
-            kv_ptr,
-            _gl_tile_pages(bt_row, n_j, end, BLOCK_N, PAGE_SIZE, LD_LAT),
-            _gl_tile_pages(bt_row, n_j, end, BLOCK_N, PAGE_SIZE, LD_ROPE),
-            n_j,
-            end,
-            kv_lat_s.index(j),
-            kv_rope_s.index(j),
-            stride_kv_page,
-            stride_kv_token,
-            BLOCK_N,
-            PAGE_SIZE,
-            LATENT,
-            ROPE,
-            LD_LAT,
-            LD_ROPE,
-        )
-        async_copy.commit_group()
-    n_issue = start + (NUM_BUF - 1) * BLOCK_N
-    page_lat = _gl_tile_pages(bt_row, n_issue, end, BLOCK_N, PAGE_SIZE, LD_LAT)
-    page_rope = _gl_tile_pages(bt_row, n_issue, end, BLOCK_N, PAGE_SIZE, LD_ROPE)
+    fence_async_shared()
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
@@ -611,45 +602,42 @@ def _gl_verify_split_kernel(
         n0 = start + it * BLOCK_N
         # Every warp is past tile it-1's products: its buffer can be refilled.
         _cta_barrier()
-        n_issue = n0 + (NUM_BUF - 1) * BLOCK_N
         refill = (it + NUM_BUF - 1) % NUM_BUF
         _gl_issue_tile(
-            kv_ptr,
-            page_lat,
-            page_rope,
-            n_issue,
+            kv_lat_desc,
+            kv_rope_desc,
+            bt_row,
+            n0 + (NUM_BUF - 1) * BLOCK_N,
             end,
+            bars.index(refill),
             kv_lat_s.index(refill),
             kv_rope_s.index(refill),
-            stride_kv_page,
-            stride_kv_token,
             BLOCK_N,
             PAGE_SIZE,
             LATENT,
-            ROPE,
-            LD_LAT,
-            LD_ROPE,
         )
-        async_copy.commit_group()
-        page_lat = _gl_tile_pages(
-            bt_row, n_issue + BLOCK_N, end, BLOCK_N, PAGE_SIZE, LD_LAT
-        )
-        page_rope = _gl_tile_pages(
-            bt_row, n_issue + BLOCK_N, end, BLOCK_N, PAGE_SIZE, LD_ROPE
-        )
-        async_copy.wait_group(NUM_BUF - 1)
-        _cta_barrier()
+        mbarrier.wait(bars.index(buf), (it // NUM_BUF) & 1)
+        # TMA copies whole rows: what the cache holds past the end (even NaN)
+        # must not reach the P.V product.
         if IS_FP8:
-            k16_lat.store(kv_lat_s.index(buf).load(LD_LAT).to(DT))
-            k16_rope.store(kv_rope_s.index(buf).load(LD_ROPE).to(DT))
+            rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
+            rows_rope = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_ROPE))
+            lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
+            rope = kv_rope_s.index(buf).load(LD_ROPE).to(DT)
+            k16_lat.store(gl.where(gl.expand_dims(rows_lat < end, 1), lat, 0.0))
+            k16_rope.store(gl.where(gl.expand_dims(rows_rope < end, 1), rope, 0.0))
             fence_async_shared()
             _cta_barrier()
             k_lat = k16_lat
             k_rope = k16_rope
         else:
-            fence_async_shared()
             k_lat = kv_lat_s.index(buf)
             k_rope = kv_rope_s.index(buf)
+            if n0 + BLOCK_N > end:
+                _gl_zero_rows_from(k_lat, end, n0, LD_LAT, BLOCK_N)
+                _gl_zero_rows_from(k_rope, end, n0, LD_ROPE, BLOCK_N)
+                fence_async_shared()
+                _cta_barrier()
         s = warpgroup_mma(
             q_lat_s,
             k_lat.permute((1, 0)),
@@ -675,7 +663,6 @@ def _gl_verify_split_kernel(
         _cta_barrier()
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         acc = warpgroup_mma(p_s, k_lat, acc)
-    async_copy.wait_group(0)
 
     seen = l_i > 0.0
     # Scores are in log2 units; ln(2) turns the LSE into natural log.
@@ -790,10 +777,9 @@ def fused_mla_verify_decode(
 
     grid = (num_head_tiles(num_heads, cfg), num_kv_splits, num_reqs)
     block_m = _block_m(query_len, cfg.heads_per_tile)
-    # The two split kernels take the same arguments but their tilings.
+    # The two split kernels take the same arguments but how they address the
+    # KV cache (pointer and strides, or TMA descriptors) and their tilings.
     args = (
-        q,
-        kv_cache,
         block_table,
         seq_lens,
         num_valid_arg,
@@ -807,8 +793,6 @@ def fused_mla_verify_decode(
         cp_interleave,
         q.stride(0),
         q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
         block_table.stride(0),
     )
     constants = {
@@ -822,12 +806,21 @@ def fused_mla_verify_decode(
         "LATENT": KV_LORA_RANK,
         "ROPE": ROPE_DIM,
     }
-    if cfg.use_gluon and runs_gluon_kernel(q.device, kv_cache.dtype, q.dtype, block_m):
+    if cfg.use_gluon and runs_gluon_kernel(kv_cache, q.dtype, block_m, cfg.block_n):
         _gl_verify_split_kernel[grid](
-            *args, **constants, NUM_BUF=cfg.num_stages, num_warps=8
+            q,
+            *_kv_descriptors(kv_cache, cfg.block_n),
+            *args,
+            **constants,
+            NUM_BUF=cfg.num_stages,
+            num_warps=8,
         )
     else:
         _verify_split_kernel[grid](
+            q,
+            kv_cache,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
             *args,
             **constants,
             BLOCK_M=block_m,
@@ -848,10 +841,62 @@ def fused_mla_verify_decode(
         lse.stride(1),
         QUERY_LEN=query_len,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)),
         HAS_NUM_VALID=num_valid_reqs is not None,
         LATENT=KV_LORA_RANK,
         num_warps=4,
     )
+
+
+_GL_DTYPES = {
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float8_e4m3fn: gl.float8e4nv,
+}
+
+
+def _tma_box_rows(kv_cache: torch.Tensor, block_n: int) -> int | None:
+    """Token rows of one TMA copy of a ``block_n``-token tile (a tile, or a
+    page when pages are shorter), or None when TMA cannot address the cache:
+    pages that neither hold whole tiles nor tile them by a power of two of at
+    least 8 tokens, pages not evenly strided, unaligned rows or base, more
+    than 2^31 token rows."""
+    num_blocks, page_size, _ = kv_cache.shape
+    rows = min(block_n, page_size)
+    token_stride = kv_cache.stride(1)
+    if (
+        rows < 8
+        or rows & (rows - 1)
+        or max(block_n, page_size) % rows
+        or (num_blocks > 1 and kv_cache.stride(0) != page_size * token_stride)
+        or token_stride * kv_cache.element_size() % 16
+        or kv_cache.data_ptr() % 16
+        or num_blocks * page_size >= 2**31
+    ):
+        return None
+    return rows
+
+
+def _kv_descriptors(
+    kv_cache: torch.Tensor, block_n: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the latent and the rope columns of the cache's token
+    rows (``_tma_box_rows`` must allow the cache)."""
+    rows = _tma_box_rows(kv_cache, block_n)
+    assert rows is not None
+    num_blocks, page_size, width = kv_cache.shape
+    dtype = _GL_DTYPES[kv_cache.dtype]
+    lat, rope = (
+        TensorDescriptor(
+            kv_cache,
+            [num_blocks * page_size, width],
+            [kv_cache.stride(1), 1],
+            [rows, cols],
+            gl.NVMMASharedLayout.get_default_for([rows, cols], dtype),
+        )
+        for cols in (KV_LORA_RANK, ROPE_DIM)
+    )
+    return lat, rope
 
 
 def _validate(
