@@ -595,7 +595,9 @@ def _gl_verify_split_kernel(
     fence_async_shared()
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+    # Row sums per (row, column of the tile), reduced once after the loop:
+    # no cross-warpgroup reduction per tile.
+    l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
     acc = gl.zeros([BLOCK_M, LATENT], gl.float32, O_L)
     for it in range(num_tiles):
         buf = it % NUM_BUF
@@ -656,7 +658,7 @@ def _gl_verify_split_kernel(
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        l_acc = l_acc * gl.expand_dims(alpha, 1) + p
         m_i = m_new
         p_s.store(p.to(DT))
         fence_async_shared()
@@ -664,6 +666,7 @@ def _gl_verify_split_kernel(
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         acc = warpgroup_mma(p_s, k_lat, acc)
 
+    l_i = gl.sum(l_acc, axis=1)
     seen = l_i > 0.0
     # Scores are in log2 units; ln(2) turns the LSE into natural log.
     lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
