@@ -12,9 +12,9 @@ log-sum-exp.
 
 Two implementations of the split kernel compute the same thing: a Triton
 kernel for every supported case, and on Hopper (sm_90) with 64 folded rows a
-Gluon kernel whose explicit two-buffer pipeline issues the TMA copy of KV tile
-i+1 before the products of tile i (Triton's pipeliner issues its copy after
-them, leaving the copy exposed).
+warp-specialised Gluon kernel: TMA copies into two buffers, one warpgroup for
+the score product and softmax of a tile while two others run the P.V
+products of the previous one.
 
 Contracts (``fused_mla_verify_decode``):
 
@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -69,6 +70,9 @@ _MIN_BLOCK_M = 16
 # A split shorter than this spends more on its partial result than on its KV.
 _MIN_TOKENS_PER_SPLIT = 256
 _LOG2E = math.log2(math.e)
+# Registers a thread of each P.V warpgroup of the Gluon kernel (setmaxnreg):
+# its 64 x 256 fp32 accumulator is 128 of them.
+_PV_REGISTERS = gl.constexpr(168)
 # Gluon renamed these between Triton 3.6 and 3.8 (getattr: neither name exists
 # in both).
 _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")  # noqa: B009
@@ -83,9 +87,9 @@ class VerifyKernelConfig:
 
     ``heads_per_tile`` heads x ``query_len`` rows form the M dimension of one
     program; ``block_n`` KV tokens are loaded per step. ``use_gluon`` runs the
-    Hopper kernel where it applies (``runs_gluon_kernel``; it needs 8 warps
-    and keeps ``num_stages`` KV tiles in shared memory), the Triton kernel
-    elsewhere.
+    Hopper kernel where it applies (``runs_gluon_kernel``; it keeps
+    ``num_stages`` KV tiles in shared memory and runs its own three
+    warpgroups), the Triton kernel with ``num_warps`` elsewhere.
     """
 
     heads_per_tile: int
@@ -111,11 +115,11 @@ def local_kv_len(
 def default_config(query_len: int, num_heads: int) -> VerifyKernelConfig:
     """Tiling used when the caller passes none (measured on H200, sm_90).
 
-    64 folded rows: 8 warps (the 64 x 512 fp32 accumulator is 128 registers a
-    thread) and 64-token tiles, two buffers (query 72 KiB + 2 x 72 KiB of
-    shared memory), the Gluon kernel where it applies; this beat 16- and
-    32-token tiles with deeper buffering for bf16 and fp8. Fewer rows: 4
-    warps, 32-token tiles, three stages.
+    64 folded rows: 64-token tiles, two buffers (query 72 KiB + 2 x 72 KiB of
+    shared memory), the Gluon kernel where it applies, else the Triton kernel
+    on 8 warps (the 64 x 512 fp32 accumulator is 128 registers a thread);
+    this beat 16- and 32-token tiles with deeper buffering for bf16 and fp8.
+    Fewer rows: 4 warps, 32-token tiles, three stages.
     """
     per_tile = min(num_heads, max(1, _MAX_BLOCK_M // query_len))
     num_tiles = triton.cdiv(num_heads, per_tile)
@@ -445,34 +449,24 @@ def _gl_verify_split_kernel(
     LATENT: gl.constexpr,
     ROPE: gl.constexpr,
 ):
-    """``_verify_split_kernel`` for sm_90, 64 rows, 8 warps, KV tiles by TMA.
+    """``_verify_split_kernel`` for sm_90, 64 rows, KV tiles by TMA, three
+    warp-specialised warpgroups (launch with 4 warps: 12 run).
 
-    Each iteration first issues the copy of tile it + NUM_BUF - 1 into the
-    buffer tile it - 1 used (one thread; an mbarrier per buffer counts the
-    bytes in), then waits for tile it and runs its products.
-    The score product is split over the two warpgroups by columns (no
-    duplicated work); softmax weights go through shared memory to the P.V
-    product, whose 512 output columns are split the same way. An fp8 tile is
-    copied as fp8 (half the bytes) and converted to the query dtype in shared
-    memory before the products; ``k_scale`` scales the scores and the output.
+    The first (this kernel's own 4 warps) loads the queries, issues the tile
+    copies, computes the score product of a tile (all 64 columns: the query
+    is read once) and its softmax (rows within one warpgroup), and hands P
+    and the rescale factors over in shared memory. The other two each hold
+    half of the 512 output columns and run the P.V products, so the score
+    product of tile i overlaps the P.V products of tile i-1. mbarriers:
+    ``full[b]`` (tile landed), ``empty[b]`` (both P.V products of the tile
+    in buffer b done: the buffer and P are free), ``p_ready``, ``l_ready``.
+    An fp8 tile is converted to the query dtype in shared memory; ``k_scale``
+    scales the scores and the output.
     """
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
     KV_DT: gl.constexpr = kv_lat_desc.dtype
-    # 16-byte vectors: 8 16-bit or 16 fp8 elements a thread.
-    VEC: gl.constexpr = 8 * (1 + IS_FP8)
-    LD_LAT: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [8, 1], [1, 0])
-    LD_ROPE: gl.constexpr = gl.BlockedLayout(
-        [1, VEC], [32 * VEC // ROPE, ROPE // VEC], [8, 1], [1, 0]
-    )
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, LATENT // 2, 16]
-    )
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     head_tile = gl.program_id(0)
     split = gl.program_id(1)
@@ -481,8 +475,11 @@ def _gl_verify_split_kernel(
     if HAS_NUM_VALID and req >= gl.load(num_valid_ptr):
         return
 
-    # M index -> (query row t, head), and each row's visible rank-local length.
-    offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
+    # Each row's visible rank-local length; the split's token range.
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     t = offs_m // HEADS_PER_TILE
     head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
     valid = (t < QUERY_LEN) & (head < num_heads)
@@ -507,11 +504,15 @@ def _gl_verify_split_kernel(
     kv_rope_s = gl.allocate_shared_memory(
         KV_DT, [NUM_BUF, BLOCK_N, ROPE], kv_rope_desc.layout
     )
-    # bars[b] completes when the tile copied into buffer b has landed.
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_BUF):
-        mbarrier.init(bars.index(j), count=1)
-    _cta_barrier()
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(l_ready, count=1)
     if IS_FP8:
         # The tile in the query dtype, for the products.
         k16_lat = gl.allocate_shared_memory(
@@ -524,104 +525,262 @@ def _gl_verify_split_kernel(
             [BLOCK_N, ROPE],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
         )
-        k_scale = gl.load(k_scale_ptr).to(gl.float32)
     else:
-        k_scale = 1.0
-    qk_scale = sm_scale_log2 * k_scale
+        k16_lat = kv_lat_s
+        k16_rope = kv_rope_s
     p_s = gl.allocate_shared_memory(
         DT,
         [BLOCK_M, BLOCK_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT),
     )
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], FLAT)
+    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], FLAT)
+    _cta_barrier()
 
-    # Tiles 0 .. NUM_BUF-2 in flight before the loop.
+    # Every buffer's first tile in flight before the queries load.
     bt_row = block_table_ptr + req.to(gl.int64) * stride_bt_req
-    for j in gl.static_range(NUM_BUF - 1):
+    for j in gl.static_range(NUM_BUF):
         _gl_issue_tile(
             kv_lat_desc,
             kv_rope_desc,
             bt_row,
             start + j * BLOCK_N,
             end,
-            bars.index(j),
+            full.index(j),
             kv_lat_s.index(j),
             kv_rope_s.index(j),
             BLOCK_N,
             PAGE_SIZE,
             LATENT,
         )
-    # Queries into shared memory, for every product of the loop, while the
-    # first tiles are in flight.
-    q_lat = _gl_load_queries(
-        q_ptr,
-        req,
-        head_tile,
-        num_heads,
-        stride_q_row,
-        stride_q_head,
-        0,
-        QUERY_LEN,
-        HEADS_PER_TILE,
-        BLOCK_M,
-        LATENT,
-        LD_LAT,
-    )
-    q_rope = _gl_load_queries(
-        q_ptr,
-        req,
-        head_tile,
-        num_heads,
-        stride_q_row,
-        stride_q_head,
-        LATENT,
-        QUERY_LEN,
-        HEADS_PER_TILE,
-        BLOCK_M,
-        ROPE,
-        LD_ROPE,
-    )
     q_lat_s = gl.allocate_shared_memory(
         DT,
         [BLOCK_M, LATENT],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, LATENT], DT),
-        q_lat,
     )
+    # In column chunks: the whole 64 x 512 query would take 128 registers.
+    Q_CHUNK: gl.constexpr = 128
+    LD_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    for c in gl.static_range(LATENT // Q_CHUNK):
+        q_lat_s.slice(c * Q_CHUNK, Q_CHUNK, dim=1).store(
+            _gl_load_queries(
+                q_ptr,
+                req,
+                head_tile,
+                num_heads,
+                stride_q_row,
+                stride_q_head,
+                c * Q_CHUNK,
+                QUERY_LEN,
+                HEADS_PER_TILE,
+                BLOCK_M,
+                Q_CHUNK,
+                LD_Q,
+            )
+        )
     q_rope_s = gl.allocate_shared_memory(
         DT,
         [BLOCK_M, ROPE],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT),
-        q_rope,
+        _gl_load_queries(
+            q_ptr,
+            req,
+            head_tile,
+            num_heads,
+            stride_q_row,
+            stride_q_head,
+            LATENT,
+            QUERY_LEN,
+            HEADS_PER_TILE,
+            BLOCK_M,
+            ROPE,
+            LD_ROPE,
+        ),
     )
     fence_async_shared()
+    _cta_barrier()
 
+    k_scale = gl.load(k_scale_ptr).to(gl.float32) if IS_FP8 else 1.0
+    part_base = (req * QUERY_LEN).to(gl.int64) * num_heads
+    gl.warp_specialize(
+        [
+            (
+                _gl_softmax_partition,
+                (
+                    kv_lat_desc,
+                    kv_rope_desc,
+                    bt_row,
+                    q_lat_s,
+                    q_rope_s,
+                    kv_lat_s,
+                    kv_rope_s,
+                    k16_lat,
+                    k16_rope,
+                    p_s,
+                    alpha_s,
+                    l_s,
+                    full,
+                    empty,
+                    p_ready,
+                    l_ready,
+                    local,
+                    valid,
+                    start,
+                    end,
+                    num_tiles,
+                    sm_scale_log2 * k_scale,
+                    part_lse_ptr,
+                    part_base,
+                    num_heads,
+                    head_tile,
+                    split,
+                    num_splits,
+                    QUERY_LEN,
+                    HEADS_PER_TILE,
+                    BLOCK_N,
+                    NUM_BUF,
+                    PAGE_SIZE,
+                    IS_FP8,
+                    LATENT,
+                    ROPE,
+                ),
+            ),
+            (
+                _gl_pv_partition,
+                (
+                    kv_lat_s,
+                    k16_lat,
+                    p_s,
+                    alpha_s,
+                    l_s,
+                    empty,
+                    p_ready,
+                    l_ready,
+                    num_tiles,
+                    k_scale,
+                    part_o_ptr,
+                    part_base,
+                    num_heads,
+                    head_tile,
+                    split,
+                    num_splits,
+                    QUERY_LEN,
+                    HEADS_PER_TILE,
+                    BLOCK_N,
+                    NUM_BUF,
+                    IS_FP8,
+                    LATENT,
+                    0,
+                ),
+            ),
+            (
+                _gl_pv_partition,
+                (
+                    kv_lat_s,
+                    k16_lat,
+                    p_s,
+                    alpha_s,
+                    l_s,
+                    empty,
+                    p_ready,
+                    l_ready,
+                    num_tiles,
+                    k_scale,
+                    part_o_ptr,
+                    part_base,
+                    num_heads,
+                    head_tile,
+                    split,
+                    num_splits,
+                    QUERY_LEN,
+                    HEADS_PER_TILE,
+                    BLOCK_N,
+                    NUM_BUF,
+                    IS_FP8,
+                    LATENT,
+                    LATENT // 2,
+                ),
+            ),
+        ],
+        [4, 4],
+        [_PV_REGISTERS, _PV_REGISTERS],
+    )
+
+
+@gluon.jit
+def _gl_softmax_partition(
+    kv_lat_desc,
+    kv_rope_desc,
+    bt_row,
+    q_lat_s,
+    q_rope_s,
+    kv_lat_s,
+    kv_rope_s,
+    k16_lat,
+    k16_rope,
+    p_s,
+    alpha_s,
+    l_s,
+    full,
+    empty,
+    p_ready,
+    l_ready,
+    local,
+    valid,
+    start,
+    end,
+    num_tiles,
+    qk_scale,
+    part_lse_ptr,
+    part_base,
+    num_heads,
+    head_tile,
+    split,
+    num_splits,
+    QUERY_LEN: gl.constexpr,
+    HEADS_PER_TILE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    IS_FP8: gl.constexpr,
+    LATENT: gl.constexpr,
+    ROPE: gl.constexpr,
+):
+    """Score products, softmax and tile copies (see the kernel)."""
+    BLOCK_M: gl.constexpr = 64
+    DT: gl.constexpr = p_s.dtype
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    LD_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
-    # Row sums per (row, column of the tile), reduced once after the loop:
-    # no cross-warpgroup reduction per tile.
-    l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    acc = gl.zeros([BLOCK_M, LATENT], gl.float32, O_L)
+    l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
     for it in range(num_tiles):
         buf = it % NUM_BUF
         n0 = start + it * BLOCK_N
-        # Every warp is past tile it-1's products: its buffer can be refilled.
-        _cta_barrier()
-        refill = (it + NUM_BUF - 1) % NUM_BUF
-        _gl_issue_tile(
-            kv_lat_desc,
-            kv_rope_desc,
-            bt_row,
-            n0 + (NUM_BUF - 1) * BLOCK_N,
-            end,
-            bars.index(refill),
-            kv_lat_s.index(refill),
-            kv_rope_s.index(refill),
-            BLOCK_N,
-            PAGE_SIZE,
-            LATENT,
-        )
-        mbarrier.wait(bars.index(buf), (it // NUM_BUF) & 1)
-        # TMA copies whole rows: what the cache holds past the end (even NaN)
-        # must not reach the P.V product.
+        mbarrier.wait(full.index(buf), (it // NUM_BUF) & 1)
         if IS_FP8:
+            if it > 0:
+                # Both P.V products of tile it-1 are done: its buffer, P and
+                # the converted tile are free.
+                prev = (it - 1) % NUM_BUF
+                mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
+                _gl_issue_tile(
+                    kv_lat_desc,
+                    kv_rope_desc,
+                    bt_row,
+                    n0 + (NUM_BUF - 1) * BLOCK_N,
+                    end,
+                    full.index(prev),
+                    kv_lat_s.index(prev),
+                    kv_rope_s.index(prev),
+                    BLOCK_N,
+                    PAGE_SIZE,
+                    LATENT,
+                )
             rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
             rows_rope = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_ROPE))
             lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
@@ -630,23 +789,56 @@ def _gl_verify_split_kernel(
             k16_rope.store(gl.where(gl.expand_dims(rows_rope < end, 1), rope, 0.0))
             fence_async_shared()
             _cta_barrier()
-            k_lat = k16_lat
-            k_rope = k16_rope
+            s = warpgroup_mma(
+                q_lat_s,
+                k16_lat.permute((1, 0)),
+                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
+                use_acc=False,
+            )
+            s = warpgroup_mma(q_rope_s, k16_rope.permute((1, 0)), s)
         else:
-            k_lat = kv_lat_s.index(buf)
-            k_rope = kv_rope_s.index(buf)
+            # The score product of tile it runs while the P.V products of
+            # tile it-1 end.
+            s_tok = warpgroup_mma(
+                q_lat_s,
+                kv_lat_s.index(buf).permute((1, 0)),
+                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
+                use_acc=False,
+                is_async=True,
+            )
+            s_tok = warpgroup_mma(
+                q_rope_s, kv_rope_s.index(buf).permute((1, 0)), s_tok, is_async=True
+            )
+            if it > 0:
+                prev = (it - 1) % NUM_BUF
+                mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
+                _gl_issue_tile(
+                    kv_lat_desc,
+                    kv_rope_desc,
+                    bt_row,
+                    n0 + (NUM_BUF - 1) * BLOCK_N,
+                    end,
+                    full.index(prev),
+                    kv_lat_s.index(prev),
+                    kv_rope_s.index(prev),
+                    BLOCK_N,
+                    PAGE_SIZE,
+                    LATENT,
+                )
+            s = warpgroup_mma_wait(0, deps=[s_tok])
             if n0 + BLOCK_N > end:
-                _gl_zero_rows_from(k_lat, end, n0, LD_LAT, BLOCK_N)
-                _gl_zero_rows_from(k_rope, end, n0, LD_ROPE, BLOCK_N)
-                fence_async_shared()
-                _cta_barrier()
-        s = warpgroup_mma(
-            q_lat_s,
-            k_lat.permute((1, 0)),
-            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
-            use_acc=False,
-        )
-        s = warpgroup_mma(q_rope_s, k_rope.permute((1, 0)), s)
+                # TMA copies whole rows: what the cache holds past the end
+                # (even NaN) must not reach the P.V products.
+                ZCHUNK: gl.constexpr = 128
+                LD_Z: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+                for c in gl.static_range(LATENT // ZCHUNK):
+                    _gl_zero_rows_from(
+                        kv_lat_s.index(buf).slice(c * ZCHUNK, ZCHUNK, dim=1),
+                        end,
+                        n0,
+                        LD_Z,
+                        BLOCK_N,
+                    )
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         s = gl.where(
             gl.expand_dims(offs_n, 0) < gl.expand_dims(local, 1),
@@ -658,26 +850,86 @@ def _gl_verify_split_kernel(
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+        l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p_s.store(p.to(DT))
+        alpha_s.store(alpha)
         fence_async_shared()
         _cta_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-        acc = warpgroup_mma(p_s, k_lat, acc)
+        mbarrier.arrive(p_ready, count=1)
 
-    l_i = gl.sum(l_acc, axis=1)
     seen = l_i > 0.0
     # Scores are in log2 units; ln(2) turns the LSE into natural log.
     lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
-    part = ((req * QUERY_LEN + t).to(gl.int64) * num_heads + head) * num_splits + split
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
+    t = offs_m // HEADS_PER_TILE
+    head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    part = (part_base + t * num_heads + head) * num_splits + split
     gl.store(part_lse_ptr + part, lse, mask=valid)
-    inv = gl.convert_layout(gl.where(seen, k_scale / l_i, 0.0), ROW_O)
-    part_o = gl.convert_layout(part, ROW_O)
-    written = gl.convert_layout(valid & seen, ROW_O)
-    offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_L))
+    l_s.store(l_i)
+    _cta_barrier()
+    mbarrier.arrive(l_ready, count=1)
+
+
+@gluon.jit
+def _gl_pv_partition(
+    kv_lat_s,
+    k16_lat,
+    p_s,
+    alpha_s,
+    l_s,
+    empty,
+    p_ready,
+    l_ready,
+    num_tiles,
+    k_scale,
+    part_o_ptr,
+    part_base,
+    num_heads,
+    head_tile,
+    split,
+    num_splits,
+    QUERY_LEN: gl.constexpr,
+    HEADS_PER_TILE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    IS_FP8: gl.constexpr,
+    LATENT: gl.constexpr,
+    COL0: gl.constexpr,
+):
+    """P.V products into output columns ``COL0 .. COL0 + LATENT/2`` and
+    their share of the partial output (see the kernel)."""
+    BLOCK_M: gl.constexpr = 64
+    HALF: gl.constexpr = LATENT // 2
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_L)
+    for it in range(num_tiles):
+        buf = it % NUM_BUF
+        mbarrier.wait(p_ready, it & 1)
+        acc = acc * gl.expand_dims(alpha_s.load(ROW_O), 1)
+        if IS_FP8:
+            v = k16_lat.slice(COL0, HALF, dim=1)
+        else:
+            v = kv_lat_s.index(buf).slice(COL0, HALF, dim=1)
+        acc = warpgroup_mma(p_s, v, acc)
+        _cta_barrier()
+        mbarrier.arrive(empty.index(buf), count=1)
+
+    mbarrier.wait(l_ready, 0)
+    l_i = l_s.load(ROW_O)
+    seen = l_i > 0.0
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW_O)
+    t = offs_m // HEADS_PER_TILE
+    head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    written = (t < QUERY_LEN) & (head < num_heads) & seen
+    inv = gl.where(seen, k_scale / l_i, 0.0)
+    part = (part_base + t * num_heads + head) * num_splits + split
+    offs_l = COL0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
     gl.store(
-        part_o_ptr + gl.expand_dims(part_o, 1) * LATENT + gl.expand_dims(offs_l, 0),
+        part_o_ptr + gl.expand_dims(part, 1) * LATENT + gl.expand_dims(offs_l, 0),
         acc * gl.expand_dims(inv, 1),
         mask=gl.expand_dims(written, 1),
     )
@@ -766,11 +1018,8 @@ def fused_mla_verify_decode(
             f"config.heads_per_tile={cfg.heads_per_tile} must be >= 1 and fold "
             f"with query_len={query_len} into at most {_MAX_BLOCK_M} rows"
         )
-    if cfg.use_gluon and (cfg.num_warps != 8 or cfg.block_n not in (32, 64)):
-        raise ValueError(
-            "the Gluon kernel needs num_warps=8 and block_n 32 or 64, got "
-            f"{cfg.num_warps} and {cfg.block_n}"
-        )
+    if cfg.use_gluon and cfg.block_n not in (32, 64):
+        raise ValueError(f"the Gluon kernel needs block_n 32 or 64, got {cfg.block_n}")
     parts = num_rows * num_heads * num_kv_splits
     part_o = workspace[: parts * KV_LORA_RANK]
     part_lse = workspace[parts * KV_LORA_RANK : parts * (KV_LORA_RANK + 1)]
@@ -816,7 +1065,7 @@ def fused_mla_verify_decode(
             *args,
             **constants,
             NUM_BUF=cfg.num_stages,
-            num_warps=8,
+            num_warps=4,
         )
     else:
         _verify_split_kernel[grid](
