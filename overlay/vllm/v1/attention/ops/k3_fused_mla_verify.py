@@ -73,6 +73,12 @@ _LOG2E = math.log2(math.e)
 # Registers a thread of each P.V warpgroup of the Gluon kernel (setmaxnreg):
 # its 64 x 256 fp32 accumulator is 128 of them.
 _PV_REGISTERS = gl.constexpr(168)
+# Register layouts of the Gluon kernel's 4-warp loads and stores of shared
+# memory: 128-column chunks of 64 rows (the whole 512 would take 128
+# registers a thread), and the 64 rope columns.
+_CHUNK_COLS = gl.constexpr(128)
+_LD_CHUNK = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+_LD_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # Gluon renamed these between Triton 3.6 and 3.8 (getattr: neither name exists
 # in both).
 _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")  # noqa: B009
@@ -412,6 +418,43 @@ def _gl_issue_tile(
 
 
 @gluon.jit
+def _gl_refill_after_pv(
+    it,
+    n0,
+    end,
+    lat_desc,
+    rope_desc,
+    bt_row,
+    kv_lat_s,
+    kv_rope_s,
+    full,
+    empty,
+    BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    LATENT: gl.constexpr,
+):
+    """Wait until both P.V products of tile ``it - 1`` (at ``n0`` is tile
+    ``it``) are done, so that its buffer and P are free, and start copying
+    tile ``it + NUM_BUF - 1`` into that buffer."""
+    prev = (it - 1) % NUM_BUF
+    mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
+    _gl_issue_tile(
+        lat_desc,
+        rope_desc,
+        bt_row,
+        n0 + (NUM_BUF - 1) * BLOCK_N,
+        end,
+        full.index(prev),
+        kv_lat_s.index(prev),
+        kv_rope_s.index(prev),
+        BLOCK_N,
+        PAGE_SIZE,
+        LATENT,
+    )
+
+
+@gluon.jit
 def _gl_zero_rows_from(buf, first, n0, LD: gl.constexpr, BLOCK_N: gl.constexpr):
     """Zero the rows of a landed tile at tokens ``>= first``."""
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
@@ -466,7 +509,6 @@ def _gl_verify_split_kernel(
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
     KV_DT: gl.constexpr = kv_lat_desc.dtype
-    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     head_tile = gl.program_id(0)
     split = gl.program_id(1)
@@ -559,11 +601,8 @@ def _gl_verify_split_kernel(
         [BLOCK_M, LATENT],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, LATENT], DT),
     )
-    # In column chunks: the whole 64 x 512 query would take 128 registers.
-    Q_CHUNK: gl.constexpr = 128
-    LD_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    for c in gl.static_range(LATENT // Q_CHUNK):
-        q_lat_s.slice(c * Q_CHUNK, Q_CHUNK, dim=1).store(
+    for c in gl.static_range(LATENT // _CHUNK_COLS):
+        q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1).store(
             _gl_load_queries(
                 q_ptr,
                 req,
@@ -571,12 +610,12 @@ def _gl_verify_split_kernel(
                 num_heads,
                 stride_q_row,
                 stride_q_head,
-                c * Q_CHUNK,
+                c * _CHUNK_COLS,
                 QUERY_LEN,
                 HEADS_PER_TILE,
                 BLOCK_M,
-                Q_CHUNK,
-                LD_Q,
+                _CHUNK_COLS,
+                _LD_CHUNK,
             )
         )
     q_rope_s = gl.allocate_shared_memory(
@@ -595,7 +634,7 @@ def _gl_verify_split_kernel(
             HEADS_PER_TILE,
             BLOCK_M,
             ROPE,
-            LD_ROPE,
+            _LD_ROPE,
         ),
     )
     fence_async_shared()
@@ -755,7 +794,6 @@ def _gl_softmax_partition(
     )
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     LD_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
     for it in range(num_tiles):
@@ -764,27 +802,27 @@ def _gl_softmax_partition(
         mbarrier.wait(full.index(buf), (it // NUM_BUF) & 1)
         if IS_FP8:
             if it > 0:
-                # Both P.V products of tile it-1 are done: its buffer, P and
-                # the converted tile are free.
-                prev = (it - 1) % NUM_BUF
-                mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
-                _gl_issue_tile(
+                # The converted tile of tile it-1 is free too.
+                _gl_refill_after_pv(
+                    it,
+                    n0,
+                    end,
                     kv_lat_desc,
                     kv_rope_desc,
                     bt_row,
-                    n0 + (NUM_BUF - 1) * BLOCK_N,
-                    end,
-                    full.index(prev),
-                    kv_lat_s.index(prev),
-                    kv_rope_s.index(prev),
+                    kv_lat_s,
+                    kv_rope_s,
+                    full,
+                    empty,
                     BLOCK_N,
+                    NUM_BUF,
                     PAGE_SIZE,
                     LATENT,
                 )
             rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
-            rows_rope = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_ROPE))
+            rows_rope = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LD_ROPE))
             lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
-            rope = kv_rope_s.index(buf).load(LD_ROPE).to(DT)
+            rope = kv_rope_s.index(buf).load(_LD_ROPE).to(DT)
             k16_lat.store(gl.where(gl.expand_dims(rows_lat < end, 1), lat, 0.0))
             k16_rope.store(gl.where(gl.expand_dims(rows_rope < end, 1), rope, 0.0))
             fence_async_shared()
@@ -810,18 +848,19 @@ def _gl_softmax_partition(
                 q_rope_s, kv_rope_s.index(buf).permute((1, 0)), s_tok, is_async=True
             )
             if it > 0:
-                prev = (it - 1) % NUM_BUF
-                mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
-                _gl_issue_tile(
+                _gl_refill_after_pv(
+                    it,
+                    n0,
+                    end,
                     kv_lat_desc,
                     kv_rope_desc,
                     bt_row,
-                    n0 + (NUM_BUF - 1) * BLOCK_N,
-                    end,
-                    full.index(prev),
-                    kv_lat_s.index(prev),
-                    kv_rope_s.index(prev),
+                    kv_lat_s,
+                    kv_rope_s,
+                    full,
+                    empty,
                     BLOCK_N,
+                    NUM_BUF,
                     PAGE_SIZE,
                     LATENT,
                 )
@@ -829,14 +868,12 @@ def _gl_softmax_partition(
             if n0 + BLOCK_N > end:
                 # TMA copies whole rows: what the cache holds past the end
                 # (even NaN) must not reach the P.V products.
-                ZCHUNK: gl.constexpr = 128
-                LD_Z: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-                for c in gl.static_range(LATENT // ZCHUNK):
+                for c in gl.static_range(LATENT // _CHUNK_COLS):
                     _gl_zero_rows_from(
-                        kv_lat_s.index(buf).slice(c * ZCHUNK, ZCHUNK, dim=1),
+                        kv_lat_s.index(buf).slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1),
                         end,
                         n0,
-                        LD_Z,
+                        _LD_CHUNK,
                         BLOCK_N,
                     )
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
