@@ -14,7 +14,7 @@ Two implementations of the split kernel compute the same thing: a Triton
 kernel for every supported case, and on Hopper (sm_90) with 64 folded rows a
 warp-specialised Gluon kernel: TMA copies into two buffers, one warpgroup for
 the score product and softmax of a tile while two others run the P.V
-products of the previous one.
+product of the previous one.
 
 Contracts (``fused_mla_verify_decode``):
 
@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -70,8 +71,8 @@ _MIN_BLOCK_M = 16
 # A split shorter than this spends more on its partial result than on its KV.
 _MIN_TOKENS_PER_SPLIT = 256
 _LOG2E = math.log2(math.e)
-# Registers a thread of each P.V warpgroup of the Gluon kernel (setmaxnreg):
-# its 64 x 256 fp32 accumulator is 128 of them.
+# Registers a thread of the Gluon kernel's P.V partition (setmaxnreg): its
+# share of the 64 x 512 fp32 accumulator (two warpgroups) is 128 of them.
 _PV_REGISTERS = gl.constexpr(168)
 # Register layouts of the Gluon kernel's 4-warp loads and stores of shared
 # memory: 128-column chunks of 64 rows (the whole 512 would take 128
@@ -82,6 +83,9 @@ _LD_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # Gluon renamed these between Triton 3.6 and 3.8 (getattr: neither name exists
 # in both).
 _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")  # noqa: B009
+_async_load = getattr(async_copy, "async_load", None) or getattr(  # noqa: B009
+    async_copy, "async_copy_global_to_shared"
+)
 _tma_load = getattr(tma, "async_load", None) or getattr(  # noqa: B009
     tma, "async_copy_global_to_shared"
 )
@@ -366,12 +370,14 @@ def _verify_merge_kernel(
             mask=offs_c < num_splits,
             other=float("-inf"),
         )
-        # Splits with no visible KV left their partial output unwritten.
+        # Splits with no visible KV left their partial output unwritten: read
+        # it (not behind the LSE load) and drop it.
         part = tl.load(
             part_o_ptr + (base + offs_c)[:, None] * LATENT + offs_l[None, :],
-            mask=(lse_c > float("-inf"))[:, None],
+            mask=(offs_c < num_splits)[:, None],
             other=0.0,
         )
+        part = tl.where((lse_c > float("-inf"))[:, None], part, 0.0)
         acc += tl.sum(tl.exp(lse_c - m_safe)[:, None] * part, axis=0)
 
     seen = denom > 0.0
@@ -434,7 +440,7 @@ def _gl_refill_after_pv(
     PAGE_SIZE: gl.constexpr,
     LATENT: gl.constexpr,
 ):
-    """Wait until both P.V products of tile ``it - 1`` (at ``n0`` is tile
+    """Wait until the P.V product of tile ``it - 1`` (at ``n0`` is tile
     ``it``) are done, so that its buffer and P are free, and start copying
     tile ``it + NUM_BUF - 1`` into that buffer."""
     prev = (it - 1) % NUM_BUF
@@ -495,13 +501,14 @@ def _gl_verify_split_kernel(
     """``_verify_split_kernel`` for sm_90, 64 rows, KV tiles by TMA, three
     warp-specialised warpgroups (launch with 4 warps: 12 run).
 
-    The first (this kernel's own 4 warps) loads the queries, issues the tile
-    copies, computes the score product of a tile (all 64 columns: the query
-    is read once) and its softmax (rows within one warpgroup), and hands P
-    and the rescale factors over in shared memory. The other two each hold
-    half of the 512 output columns and run the P.V products, so the score
-    product of tile i overlaps the P.V products of tile i-1. mbarriers:
-    ``full[b]`` (tile landed), ``empty[b]`` (both P.V products of the tile
+    The first (this kernel's own 4 warps) copies the queries (``cp.async``,
+    issued before any other load), issues the tile copies, computes the score
+    product of a tile (all 64 columns: the query is read once) and its
+    softmax (rows within one warpgroup), and hands P and the rescale factors
+    over in shared memory. The other two form one 8-warp partition, each
+    warpgroup holding half of the 512 output columns, and run the P.V
+    product, so the score product of tile i overlaps the P.V product of tile
+    i-1. mbarriers: ``full[b]`` (tile landed), ``empty[b]`` (P.V of the tile
     in buffer b done: the buffer and P are free), ``p_ready``, ``l_ready``.
     An fp8 tile is converted to the query dtype in shared memory; ``k_scale``
     scales the scores and the output.
@@ -516,6 +523,48 @@ def _gl_verify_split_kernel(
     num_splits = gl.num_programs(1)
     if HAS_NUM_VALID and req >= gl.load(num_valid_ptr):
         return
+
+    # The queries' copies first: nothing they need waits on another load.
+    q_lat_s = gl.allocate_shared_memory(
+        DT,
+        [BLOCK_M, LATENT],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, LATENT], DT),
+    )
+    q_rope_s = gl.allocate_shared_memory(
+        DT, [BLOCK_M, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT)
+    )
+    for c in gl.static_range(LATENT // _CHUNK_COLS):
+        _gl_copy_queries(
+            q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1),
+            q_ptr,
+            req,
+            head_tile,
+            num_heads,
+            stride_q_row,
+            stride_q_head,
+            c * _CHUNK_COLS,
+            QUERY_LEN,
+            HEADS_PER_TILE,
+            BLOCK_M,
+            _CHUNK_COLS,
+            _LD_CHUNK,
+        )
+    _gl_copy_queries(
+        q_rope_s,
+        q_ptr,
+        req,
+        head_tile,
+        num_heads,
+        stride_q_row,
+        stride_q_head,
+        LATENT,
+        QUERY_LEN,
+        HEADS_PER_TILE,
+        BLOCK_M,
+        ROPE,
+        _LD_ROPE,
+    )
+    async_copy.commit_group()
 
     # Each row's visible rank-local length; the split's token range.
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -552,7 +601,7 @@ def _gl_verify_split_kernel(
     l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_BUF):
         mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=2)
+        mbarrier.init(empty.index(j), count=1)
     mbarrier.init(p_ready, count=1)
     mbarrier.init(l_ready, count=1)
     if IS_FP8:
@@ -580,7 +629,7 @@ def _gl_verify_split_kernel(
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], FLAT)
     _cta_barrier()
 
-    # Every buffer's first tile in flight before the queries load.
+    # Every buffer's first tile in flight, then wait for the queries.
     bt_row = block_table_ptr + req.to(gl.int64) * stride_bt_req
     for j in gl.static_range(NUM_BUF):
         _gl_issue_tile(
@@ -596,47 +645,7 @@ def _gl_verify_split_kernel(
             PAGE_SIZE,
             LATENT,
         )
-    q_lat_s = gl.allocate_shared_memory(
-        DT,
-        [BLOCK_M, LATENT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, LATENT], DT),
-    )
-    for c in gl.static_range(LATENT // _CHUNK_COLS):
-        q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1).store(
-            _gl_load_queries(
-                q_ptr,
-                req,
-                head_tile,
-                num_heads,
-                stride_q_row,
-                stride_q_head,
-                c * _CHUNK_COLS,
-                QUERY_LEN,
-                HEADS_PER_TILE,
-                BLOCK_M,
-                _CHUNK_COLS,
-                _LD_CHUNK,
-            )
-        )
-    q_rope_s = gl.allocate_shared_memory(
-        DT,
-        [BLOCK_M, ROPE],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT),
-        _gl_load_queries(
-            q_ptr,
-            req,
-            head_tile,
-            num_heads,
-            stride_q_row,
-            stride_q_head,
-            LATENT,
-            QUERY_LEN,
-            HEADS_PER_TILE,
-            BLOCK_M,
-            ROPE,
-            _LD_ROPE,
-        ),
-    )
+    async_copy.wait_group(0)
     fence_async_shared()
     _cta_barrier()
 
@@ -710,40 +719,11 @@ def _gl_verify_split_kernel(
                     NUM_BUF,
                     IS_FP8,
                     LATENT,
-                    0,
-                ),
-            ),
-            (
-                _gl_pv_partition,
-                (
-                    kv_lat_s,
-                    k16_lat,
-                    p_s,
-                    alpha_s,
-                    l_s,
-                    empty,
-                    p_ready,
-                    l_ready,
-                    num_tiles,
-                    k_scale,
-                    part_o_ptr,
-                    part_base,
-                    num_heads,
-                    head_tile,
-                    split,
-                    num_splits,
-                    QUERY_LEN,
-                    HEADS_PER_TILE,
-                    BLOCK_N,
-                    NUM_BUF,
-                    IS_FP8,
-                    LATENT,
-                    LATENT // 2,
                 ),
             ),
         ],
-        [4, 4],
-        [_PV_REGISTERS, _PV_REGISTERS],
+        [8],
+        [_PV_REGISTERS],
     )
 
 
@@ -932,25 +912,20 @@ def _gl_pv_partition(
     NUM_BUF: gl.constexpr,
     IS_FP8: gl.constexpr,
     LATENT: gl.constexpr,
-    COL0: gl.constexpr,
 ):
-    """P.V products into output columns ``COL0 .. COL0 + LATENT/2`` and
-    their share of the partial output (see the kernel)."""
+    """P.V products and the partial output; each of the partition's two
+    warpgroups holds half of the 512 output columns (see the kernel)."""
     BLOCK_M: gl.constexpr = 64
-    HALF: gl.constexpr = LATENT // 2
     O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, LATENT // 2, 16]
     )
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_L)
+    acc = gl.zeros([BLOCK_M, LATENT], gl.float32, O_L)
     for it in range(num_tiles):
         buf = it % NUM_BUF
         mbarrier.wait(p_ready, it & 1)
         acc = acc * gl.expand_dims(alpha_s.load(ROW_O), 1)
-        if IS_FP8:
-            v = k16_lat.slice(COL0, HALF, dim=1)
-        else:
-            v = kv_lat_s.index(buf).slice(COL0, HALF, dim=1)
+        v = k16_lat if IS_FP8 else kv_lat_s.index(buf)
         acc = warpgroup_mma(p_s, v, acc)
         _cta_barrier()
         mbarrier.arrive(empty.index(buf), count=1)
@@ -964,7 +939,7 @@ def _gl_pv_partition(
     written = (t < QUERY_LEN) & (head < num_heads) & seen
     inv = gl.where(seen, k_scale / l_i, 0.0)
     part = (part_base + t * num_heads + head) * num_splits + split
-    offs_l = COL0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_L))
     gl.store(
         part_o_ptr + gl.expand_dims(part, 1) * LATENT + gl.expand_dims(offs_l, 0),
         acc * gl.expand_dims(inv, 1),
@@ -973,7 +948,8 @@ def _gl_pv_partition(
 
 
 @gluon.jit
-def _gl_load_queries(
+def _gl_copy_queries(
+    dst,
     q_ptr,
     req,
     head_tile,
@@ -987,17 +963,18 @@ def _gl_load_queries(
     WIDTH: gl.constexpr,
     LD: gl.constexpr,
 ):
-    """The tile's folded query rows, columns ``col0 .. col0 + WIDTH``."""
+    """Start copying the tile's folded query rows, columns ``col0 .. col0 +
+    WIDTH``, into ``dst`` (rows past the tile's queries are not read)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
     t = offs_m // HEADS_PER_TILE
     head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
     valid = (t < QUERY_LEN) & (head < num_heads)
     row_off = (req * QUERY_LEN + t).to(gl.int64) * stride_q_row + head * stride_q_head
     offs_c = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LD))
-    return gl.load(
+    _async_load(
+        dst,
         q_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_c, 0),
         mask=gl.expand_dims(valid, 1),
-        other=0.0,
     )
 
 
