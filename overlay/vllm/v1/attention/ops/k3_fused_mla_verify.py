@@ -71,6 +71,11 @@ _MIN_BLOCK_M = 16
 # A split shorter than this spends more on its partial result than on its KV.
 _MIN_TOKENS_PER_SPLIT = 256
 _LOG2E = math.log2(math.e)
+# Partial-output elements (splits x columns) a merge program adds up per
+# step: 16 splits of all 512 columns. With more splits (only when few
+# (row, head) pairs share the device) each pair's merge is spread over four
+# programs of 128 columns.
+_MERGE_CHUNK = 16 * 512
 # Registers a thread of the Gluon kernel's P.V partition (setmaxnreg): its
 # share of the 64 x 512 fp32 accumulator (two warpgroups) is 128 of them.
 _PV_REGISTERS = gl.constexpr(168)
@@ -346,9 +351,13 @@ def _verify_merge_kernel(
     CHUNK_S: tl.constexpr,
     HAS_NUM_VALID: tl.constexpr,
     LATENT: tl.constexpr,
+    COLS: tl.constexpr,
 ):
+    """Merge the splits of (row, head) = program ids (0, 1), output columns
+    ``COLS * program_id(2) ..``; the first column block writes the LSE."""
     row = tl.program_id(0)
     head = tl.program_id(1)
+    col0 = tl.program_id(2) * COLS
     if HAS_NUM_VALID and row // QUERY_LEN >= tl.load(num_valid_ptr):
         return
 
@@ -361,8 +370,8 @@ def _verify_merge_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.sum(tl.exp(lse_s - m_safe), axis=0)
 
-    offs_l = tl.arange(0, LATENT)
-    acc = tl.zeros([LATENT], tl.float32)
+    offs_l = col0 + tl.arange(0, COLS)
+    acc = tl.zeros([COLS], tl.float32)
     for s0 in range(0, num_splits, CHUNK_S):
         offs_c = s0 + tl.arange(0, CHUNK_S)
         lse_c = tl.load(
@@ -384,10 +393,11 @@ def _verify_merge_kernel(
     inv = tl.where(seen, 1.0 / denom, 0.0)
     out_off = row.to(tl.int64) * stride_o_row + head * stride_o_head
     tl.store(o_ptr + out_off + offs_l, (acc * inv).to(o_ptr.dtype.element_ty))
-    tl.store(
-        lse_ptr + row.to(tl.int64) * stride_lse_row + head * stride_lse_head,
-        tl.where(seen, m_safe + tl.log(denom), float("-inf")),
-    )
+    if col0 == 0:
+        tl.store(
+            lse_ptr + row.to(tl.int64) * stride_lse_row + head * stride_lse_head,
+            tl.where(seen, m_safe + tl.log(denom), float("-inf")),
+        )
 
 
 @gluon.jit
@@ -1093,7 +1103,9 @@ def fused_mla_verify_decode(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    _verify_merge_kernel[(num_rows, num_heads)](
+    block_s = triton.next_power_of_2(num_kv_splits)
+    cols = KV_LORA_RANK if block_s * KV_LORA_RANK <= _MERGE_CHUNK else 128
+    _verify_merge_kernel[(num_rows, num_heads, KV_LORA_RANK // cols)](
         part_o,
         part_lse,
         o,
@@ -1106,10 +1118,11 @@ def fused_mla_verify_decode(
         lse.stride(0),
         lse.stride(1),
         QUERY_LEN=query_len,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)),
+        BLOCK_S=block_s,
+        CHUNK_S=min(block_s, _MERGE_CHUNK // cols),
         HAS_NUM_VALID=num_valid_reqs is not None,
         LATENT=KV_LORA_RANK,
+        COLS=cols,
         num_warps=4,
     )
 
