@@ -3,12 +3,13 @@
 """Run the fused verify kernels under Triton's CPU interpreter and compare
 them with the float64 reference; exits non-zero on a mismatch.
 
-Usage: ``TRITON_INTERPRET=1 python k3_interpreted_check.py float16`` (or
-``float8_e4m3fn`` for the KV dtype). The interpreter must be on before triton
-is imported, so test_fused_mla_verify_cpu.py runs this in a fresh process.
-fp16 stands in for bf16 queries, which the interpreter (numpy) cannot compute.
-The case is a DCP rank with causal rows, rows that see nothing and several
-KV splits.
+Usage: ``TRITON_INTERPRET=1 python k3_interpreted_check.py float16 3`` (or
+``float8_e4m3fn`` for the KV dtype; the last argument is the KV split count).
+The interpreter must be on before triton is imported, so
+test_fused_mla_verify_cpu.py runs this in a fresh process. fp16 stands in for
+bf16 queries, which the interpreter (numpy) cannot compute. The case is a DCP
+rank with causal rows, rows that see nothing and several KV splits (more
+than 16: the merge runs in column blocks and most splits are empty).
 """
 
 import os
@@ -26,11 +27,11 @@ from k3_reference import (
 from k3_standalone import load_fused_verify
 
 QUERY_LEN, HEADS, DCP_SIZE, RANK, INTERLEAVE = 3, 5, 2, 1, 4
-K_SCALE, SM_SCALE, SPLITS = 0.05, 0.07, 3
+K_SCALE, SM_SCALE = 0.05, 0.07
 SEQ_LENS = [0, 1, 37, 300]
 
 
-def check(kv_dtype: torch.dtype) -> None:
+def check(kv_dtype: torch.dtype, splits: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1")
     ops = load_fused_verify()
@@ -51,10 +52,11 @@ def check(kv_dtype: torch.dtype) -> None:
         torch.tensor(SEQ_LENS, dtype=torch.int32),
         o,
         lse,
-        torch.empty(ops.workspace_numel(rows, HEADS, SPLITS)),
+        # NaN: a partial output the merge reads but no split wrote poisons it.
+        torch.full((ops.workspace_numel(rows, HEADS, splits),), float("nan")),
         query_len=QUERY_LEN,
         sm_scale=SM_SCALE,
-        num_kv_splits=SPLITS,
+        num_kv_splits=splits,
         k_scale=torch.tensor([K_SCALE]),
         dcp_size=DCP_SIZE,
         dcp_rank=RANK,
@@ -82,4 +84,4 @@ def check(kv_dtype: torch.dtype) -> None:
 
 
 if __name__ == "__main__":
-    check(getattr(torch, sys.argv[1]))
+    check(getattr(torch, sys.argv[1]), int(sys.argv[2]))

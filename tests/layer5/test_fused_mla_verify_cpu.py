@@ -296,12 +296,14 @@ def _release(version: str) -> tuple[int, int]:
     reason="Triton < 3.8's interpreter turns loop bounds into int(ndarray), which "
     "NumPy >= 2.5 refuses for the 1-element arrays that loaded scalars are",
 )
+@pytest.mark.parametrize("splits", [3, 20])
 @pytest.mark.parametrize("kv_dtype", ["float16", "float8_e4m3fn"])
-def test_interpreted_kernel_matches_float64_reference(kv_dtype):
+def test_interpreted_kernel_matches_float64_reference(kv_dtype, splits):
     """The kernels' index and mask logic under Triton's CPU interpreter, which
-    must be switched on before triton is imported: hence a fresh process."""
+    must be switched on before triton is imported: hence a fresh process.
+    20 splits: the merge runs in column blocks, most splits see nothing."""
     result = subprocess.run(
-        [sys.executable, str(INTERPRETED_CHECK), kv_dtype],
+        [sys.executable, str(INTERPRETED_CHECK), kv_dtype, str(splits)],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
