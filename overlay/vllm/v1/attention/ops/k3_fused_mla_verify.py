@@ -451,7 +451,7 @@ def _gl_refill_after_pv(
     LATENT: gl.constexpr,
 ):
     """Wait until the P.V product of tile ``it - 1`` (at ``n0`` is tile
-    ``it``) are done, so that its buffer and P are free, and start copying
+    ``it``) is done, so that its buffer and P are free, and start copying
     tile ``it + NUM_BUF - 1`` into that buffer."""
     prev = (it - 1) % NUM_BUF
     mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
