@@ -4,7 +4,8 @@
 them with the float64 reference; exits non-zero on a mismatch.
 
 Usage: ``TRITON_INTERPRET=1 python k3_interpreted_check.py float16 3`` (or
-``float8_e4m3fn`` for the KV dtype; the last argument is the KV split count).
+``float8_e4m3fn`` for the KV dtype; then the KV split count; a third argument
+``nan`` runs ``check_nan`` instead).
 The interpreter must be on before triton is imported, so
 test_fused_mla_verify_cpu.py runs this in a fresh process. fp16 stands in for
 bf16 queries, which the interpreter (numpy) cannot compute. The case is a DCP
@@ -32,8 +33,6 @@ SEQ_LENS = [0, 1, 37, 300]
 
 
 def check(kv_dtype: torch.dtype, splits: int) -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("set TRITON_INTERPRET=1")
     ops = load_fused_verify()
     stored = [random_kv(n, kv_dtype, K_SCALE, "cpu") for n in SEQ_LENS]
     local = [
@@ -83,5 +82,49 @@ def check(kv_dtype: torch.dtype, splits: int) -> None:
     assert err < 2e-3 and lse_err < 1e-4
 
 
+def check_nan(kv_dtype: torch.dtype, splits: int) -> None:
+    """A NaN in one request's visible KV makes all its rows' outputs and LSEs
+    NaN (a split whose row sum is NaN must not pass for empty); the other
+    request is unaffected."""
+    ops = load_fused_verify()
+    seq_lens = [40, 300]
+    stored = [random_kv(n, kv_dtype, K_SCALE, "cpu") for n in seq_lens]
+    poisoned = stored[1].clone()
+    poisoned.view(torch.uint8 if kv_dtype.itemsize == 1 else torch.int16)[10, 3] = (
+        0x7F if kv_dtype.itemsize == 1 else 0x7E00  # NaN in e4m3 / fp16
+    )
+    cache, table = paged_cache([stored[0], poisoned], 16)
+    rows = len(seq_lens) * QUERY_LEN
+    q = torch.randn(rows, HEADS, 576, dtype=torch.float16)
+    o = torch.zeros((rows, HEADS, 512), dtype=torch.float16)
+    lse = torch.zeros((rows, HEADS))
+    ops.fused_mla_verify_decode(
+        q,
+        cache,
+        table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        o,
+        lse,
+        torch.empty(ops.workspace_numel(rows, HEADS, splits)),
+        query_len=QUERY_LEN,
+        sm_scale=SM_SCALE,
+        num_kv_splits=splits,
+        k_scale=torch.tensor([K_SCALE]),
+    )
+    assert o[QUERY_LEN:].isnan().all(), "a row that sees the NaN is not NaN"
+    assert lse[QUERY_LEN:].isnan().all(), "an LSE of a row that sees the NaN is not NaN"
+    masks = [visible_mask(n, QUERY_LEN) for n in seq_lens[:1]]
+    ref_o, ref_lse = reference_attention(
+        q[:QUERY_LEN], [dequant(stored[0], K_SCALE)], masks, SM_SCALE
+    )
+    err = ((o[:QUERY_LEN].double() - ref_o).norm() / ref_o.norm()).item()
+    lse_err = (lse[:QUERY_LEN].double() - ref_lse).abs().max().item()
+    print(f"clean request: relative output error {err:.2e}, LSE error {lse_err:.2e}")
+    assert err < 2e-3 and lse_err < 1e-4
+
+
 if __name__ == "__main__":
-    check(getattr(torch, sys.argv[1]), int(sys.argv[2]))
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1")
+    run = check_nan if sys.argv[3:] == ["nan"] else check
+    run(getattr(torch, sys.argv[1]), int(sys.argv[2]))

@@ -310,3 +310,23 @@ def test_interpreted_kernel_matches_float64_reference(kv_dtype, splits):
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(
+    _release(triton.__version__) < (3, 8) and _release(numpy.__version__) >= (2, 5),
+    reason="Triton < 3.8's interpreter turns loop bounds into int(ndarray), which "
+    "NumPy >= 2.5 refuses for the 1-element arrays that loaded scalars are",
+)
+@pytest.mark.parametrize("splits", [1, 3, 20])
+def test_interpreted_kernel_propagates_nan_in_visible_kv(splits):
+    """A NaN in a request's visible KV gives NaN outputs and LSEs for its rows,
+    not an empty or finite result (fp16 KV: the interpreter reads e4m3's NaN
+    byte as 480; the GPU tests cover fp8)."""
+    result = subprocess.run(
+        [sys.executable, str(INTERPRETED_CHECK), "float16", str(splits), "nan"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -209,6 +209,44 @@ def test_fp8_kv_matches_float64_reference(fused_verify, query_len, heads, page_s
     _assert_matches(o, lse, *_reference(q, stored, query_len))
 
 
+@pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
+def test_nan_in_visible_kv_poisons_the_rows_that_see_it(
+    fused_verify, use_gluon, kv_dtype
+):
+    """A NaN key makes the output and LSE of exactly the rows whose causal
+    prefix holds it NaN (never a finite result or an empty row); a NaN
+    latent (key and value) every row of its request. For fp8 both NaN
+    encodings, at different places of a packed word."""
+    query_len, heads, n = 4, 16, 3000
+    first = random_kv(n, kv_dtype, K_SCALE, DEVICE)
+    second = random_kv(n, kv_dtype, K_SCALE, DEVICE)
+    clean = first.clone()
+    if kv_dtype == FP8:
+        first.view(torch.uint8)[n - 1, 561] = 0x7F  # rope: seen by row 3 only
+        first.view(torch.uint8)[n - 1, 575] = 0xFF
+        first.view(torch.uint8)[n - 2, 542] = 0xFF  # rope: seen by rows 2, 3
+        second.view(torch.uint8)[5, 6] = 0x7F  # latent: seen by every row
+    else:
+        first[n - 1, 561] = float("nan")
+        first[n - 2, 542] = float("nan")
+        second[5, 6] = float("nan")
+    cache, table = paged_cache([first, second], 64)
+    if use_gluon and not fused_verify.runs_gluon_kernel(cache, BF16, 64):
+        pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
+    config = dataclasses.replace(
+        fused_verify.default_config(query_len, heads), use_gluon=use_gluon
+    )
+    q = _queries(2, query_len, heads)
+    o, lse = _run(
+        fused_verify, q, cache, table, [n, n], query_len=query_len, config=config
+    )
+    assert o[2:].isnan().all(), "a row that sees a NaN has a non-NaN output"
+    assert lse[2:].isnan().all(), "a row that sees a NaN has a non-NaN LSE"
+    ref_o, ref_lse = _reference(q[:query_len], [clean], query_len)
+    _assert_matches(o[:2], lse[:2], ref_o[:2], ref_lse[:2])
+
+
 @pytest.mark.parametrize(
     ("heads", "page_size", "kv_dtype"), [(16, 64, BF16), (96, 16, FP8)]
 )

@@ -320,7 +320,7 @@ def _verify_split_kernel(
         acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])
         m_i = m_new
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     inv = tl.where(seen, k_scale / l_i, 0.0)
     # Scores are in log2 units; ln(2) turns the LSE into natural log.
     lse = tl.where(seen, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
@@ -389,7 +389,7 @@ def _verify_merge_kernel(
         part = tl.where((lse_c > float("-inf"))[:, None], part, 0.0)
         acc += tl.sum(tl.exp(lse_c - m_safe)[:, None] * part, axis=0)
 
-    seen = denom > 0.0
+    seen = denom != 0.0
     inv = tl.where(seen, 1.0 / denom, 0.0)
     out_off = row.to(tl.int64) * stride_o_row + head * stride_o_head
     tl.store(o_ptr + out_off + offs_l, (acc * inv).to(o_ptr.dtype.element_ty))
@@ -885,7 +885,7 @@ def _gl_softmax_partition(
         _cta_barrier()
         mbarrier.arrive(p_ready, count=1)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     # Scores are in log2 units; ln(2) turns the LSE into natural log.
     lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
@@ -942,7 +942,7 @@ def _gl_pv_partition(
 
     mbarrier.wait(l_ready, 0)
     l_i = l_s.load(ROW_O)
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     offs_m = gl.arange(0, BLOCK_M, layout=ROW_O)
     t = offs_m // HEADS_PER_TILE
     head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
