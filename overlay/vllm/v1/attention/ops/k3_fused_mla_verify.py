@@ -33,7 +33,8 @@ Contracts (``fused_mla_verify_decode``):
   ``local_kv_len(L, D, r, I)``.
 - Outputs: ``o`` ``[rows, H, 512]`` (any float dtype) and ``lse`` ``[rows, H]``
   float32, natural log. A row with no visible KV gets a zero output and
-  ``lse = -inf`` (zero weight in a DCP merge). Requests at or beyond
+  ``lse = -inf`` (zero weight in a DCP merge); a NaN in the KV a row sees
+  makes its output and LSE NaN. Requests at or beyond
   ``num_valid_reqs`` (a device scalar, for padded CUDA-graph batches) are
   skipped: their rows of ``o`` and ``lse`` are not written.
 - The launch geometry depends only on tensor shapes, ``query_len`` and
