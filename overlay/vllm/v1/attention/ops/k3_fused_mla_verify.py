@@ -187,13 +187,21 @@ def runs_gluon_kernel(
     """Whether a ``use_gluon`` tiling runs the Gluon kernel on this cache: a
     Hopper (sm_90) device, a KV cache in the query's dtype or fp8 e4m3 whose
     token rows TMA can address (``_tma_box_rows``), 64 folded rows."""
-    return (
+    return _gluon_box_rows(kv_cache, q_dtype, block_m, block_n) is not None
+
+
+def _gluon_box_rows(
+    kv_cache: torch.Tensor, q_dtype: torch.dtype, block_m: int, block_n: int
+) -> int | None:
+    """``_tma_box_rows`` where ``runs_gluon_kernel`` holds, else None."""
+    if not (
         kv_cache.device.type == "cuda"
         and torch.cuda.get_device_capability(kv_cache.device)[0] == 9
         and kv_cache.dtype in (q_dtype, torch.float8_e4m3fn)
         and block_m == _MAX_BLOCK_M
-        and _tma_box_rows(kv_cache, block_n) is not None
-    )
+    ):
+        return None
+    return _tma_box_rows(kv_cache, block_n)
 
 
 @triton.jit
@@ -472,11 +480,12 @@ def _gl_refill_after_pv(
 
 
 @gluon.jit
-def _gl_zero_rows_from(buf, first, n0, LD: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Zero the rows of a landed tile at tokens ``>= first``."""
+def _gl_rows_before(src, dst, first, n0, LD: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``dst`` = the landed tile ``src`` (at token ``n0``) in ``dst``'s dtype,
+    rows at tokens ``>= first`` zero; ``src`` may be ``dst``."""
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    x = buf.load(LD)
-    buf.store(gl.where(gl.expand_dims(offs_n < first, 1), x, gl.zeros_like(x)))
+    x = src.load(LD).to(dst.dtype)
+    dst.store(gl.where(gl.expand_dims(offs_n < first, 1), x, gl.zeros_like(x)))
 
 
 @gluon.jit
@@ -810,12 +819,8 @@ def _gl_softmax_partition(
                     PAGE_SIZE,
                     LATENT,
                 )
-            rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
-            rows_rope = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LD_ROPE))
-            lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
-            rope = kv_rope_s.index(buf).load(_LD_ROPE).to(DT)
-            k16_lat.store(gl.where(gl.expand_dims(rows_lat < end, 1), lat, 0.0))
-            k16_rope.store(gl.where(gl.expand_dims(rows_rope < end, 1), rope, 0.0))
+            _gl_rows_before(kv_lat_s.index(buf), k16_lat, end, n0, LD_LAT, BLOCK_N)
+            _gl_rows_before(kv_rope_s.index(buf), k16_rope, end, n0, _LD_ROPE, BLOCK_N)
             fence_async_shared()
             _cta_barrier()
             s = warpgroup_mma(
@@ -860,13 +865,10 @@ def _gl_softmax_partition(
                 # TMA copies whole rows: what the cache holds past the end
                 # (even NaN) must not reach the P.V products.
                 for c in gl.static_range(LATENT // _CHUNK_COLS):
-                    _gl_zero_rows_from(
-                        kv_lat_s.index(buf).slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1),
-                        end,
-                        n0,
-                        _LD_CHUNK,
-                        BLOCK_N,
+                    chunk = kv_lat_s.index(buf).slice(
+                        c * _CHUNK_COLS, _CHUNK_COLS, dim=1
                     )
+                    _gl_rows_before(chunk, chunk, end, n0, _LD_CHUNK, BLOCK_N)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         s = gl.where(
             gl.expand_dims(offs_n, 0) < gl.expand_dims(local, 1),
@@ -1083,10 +1085,15 @@ def fused_mla_verify_decode(
         "LATENT": KV_LORA_RANK,
         "ROPE": ROPE_DIM,
     }
-    if cfg.use_gluon and runs_gluon_kernel(kv_cache, q.dtype, block_m, cfg.block_n):
+    box_rows = (
+        _gluon_box_rows(kv_cache, q.dtype, block_m, cfg.block_n)
+        if cfg.use_gluon
+        else None
+    )
+    if box_rows is not None:
         _gl_verify_split_kernel[grid](
             q,
-            *_kv_descriptors(kv_cache, cfg.block_n),
+            *_kv_descriptors(kv_cache, box_rows),
             *args,
             **constants,
             NUM_BUF=cfg.num_stages,
@@ -1158,12 +1165,10 @@ def _tma_box_rows(kv_cache: torch.Tensor, block_n: int) -> int | None:
 
 
 def _kv_descriptors(
-    kv_cache: torch.Tensor, block_n: int
+    kv_cache: torch.Tensor, rows: int
 ) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the latent and the rope columns of the cache's token
-    rows (``_tma_box_rows`` must allow the cache)."""
-    rows = _tma_box_rows(kv_cache, block_n)
-    assert rows is not None
+    rows, ``rows`` (``_tma_box_rows``) a copy."""
     num_blocks, page_size, width = kv_cache.shape
     dtype = _GL_DTYPES[kv_cache.dtype]
     lat, rope = (
