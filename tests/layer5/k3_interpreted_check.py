@@ -32,35 +32,62 @@ K_SCALE, SM_SCALE = 0.05, 0.07
 SEQ_LENS = [0, 1, 37, 300]
 
 
-def check(kv_dtype: torch.dtype, splits: int) -> None:
+def _run(
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: list[int],
+    splits: int,
+    fill: float,
+    **dcp: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random fp16 queries and the kernels' ``o`` and ``lse`` (prefilled with
+    ``fill``) for them; the workspace holds NaN, so a partial output the merge
+    reads but no split wrote poisons the result."""
     ops = load_fused_verify()
+    rows = len(seq_lens) * QUERY_LEN
+    q = torch.randn(rows, HEADS, 576, dtype=torch.float16)
+    o = torch.full((rows, HEADS, 512), fill, dtype=torch.float16)
+    lse = torch.full((rows, HEADS), fill)
+    ops.fused_mla_verify_decode(
+        q,
+        cache,
+        table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        o,
+        lse,
+        torch.full((ops.workspace_numel(rows, HEADS, splits),), float("nan")),
+        query_len=QUERY_LEN,
+        sm_scale=SM_SCALE,
+        num_kv_splits=splits,
+        k_scale=torch.tensor([K_SCALE]),
+        **dcp,
+    )
+    return q, o, lse
+
+
+def _assert_close(
+    label: str,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    ref_o: torch.Tensor,
+    ref_lse: torch.Tensor,
+) -> None:
+    # fp16 operands with fp32 accumulation: far inside the GPU tests' 1e-2.
+    err = ((o.double() - ref_o).norm() / ref_o.norm()).item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    print(f"{label}: relative output error {err:.2e}, LSE error {lse_err:.2e}")
+    assert err < 2e-3 and lse_err < 1e-4
+
+
+def check(kv_dtype: torch.dtype, splits: int) -> None:
+    dcp = {"dcp_size": DCP_SIZE, "dcp_rank": RANK, "cp_interleave": INTERLEAVE}
     stored = [random_kv(n, kv_dtype, K_SCALE, "cpu") for n in SEQ_LENS]
     local = [
         kv[owner_rank(torch.arange(len(kv)), DCP_SIZE, INTERLEAVE) == RANK]
         for kv in stored
     ]
     cache, table = paged_cache(local, 16)
-    rows = len(SEQ_LENS) * QUERY_LEN
-    q = torch.randn(rows, HEADS, 576, dtype=torch.float16)
-    o = torch.full((rows, HEADS, 512), float("nan"), dtype=torch.float16)
-    lse = torch.full((rows, HEADS), float("nan"))
-    ops.fused_mla_verify_decode(
-        q,
-        cache,
-        table,
-        torch.tensor(SEQ_LENS, dtype=torch.int32),
-        o,
-        lse,
-        # NaN: a partial output the merge reads but no split wrote poisons it.
-        torch.full((ops.workspace_numel(rows, HEADS, splits),), float("nan")),
-        query_len=QUERY_LEN,
-        sm_scale=SM_SCALE,
-        num_kv_splits=splits,
-        k_scale=torch.tensor([K_SCALE]),
-        dcp_size=DCP_SIZE,
-        dcp_rank=RANK,
-        cp_interleave=INTERLEAVE,
-    )
+    q, o, lse = _run(cache, table, SEQ_LENS, splits, float("nan"), **dcp)
     masks = [
         visible_mask(
             n, QUERY_LEN, dcp_size=DCP_SIZE, dcp_rank=RANK, cp_interleave=INTERLEAVE
@@ -74,19 +101,14 @@ def check(kv_dtype: torch.dtype, splits: int) -> None:
     assert empty.any() and not empty.all(), "the case must mix empty and seen rows"
     assert torch.equal(torch.isinf(lse), empty), "empty rows differ"
     assert (o[empty] == 0).all(), "an empty row has a non-zero output"
-    # fp16 operands with fp32 accumulation: far inside the GPU tests' 1e-2.
     seen = ~empty
-    err = ((o.double()[seen] - ref_o[seen]).norm() / ref_o[seen].norm()).item()
-    lse_err = (lse.double()[seen] - ref_lse[seen]).abs().max().item()
-    print(f"relative output error {err:.2e}, LSE error {lse_err:.2e}")
-    assert err < 2e-3 and lse_err < 1e-4
+    _assert_close("seen rows", o[seen], lse[seen], ref_o[seen], ref_lse[seen])
 
 
 def check_nan(kv_dtype: torch.dtype, splits: int) -> None:
     """A NaN in one request's visible KV makes all its rows' outputs and LSEs
     NaN (a split whose row sum is NaN must not pass for empty); the other
     request is unaffected."""
-    ops = load_fused_verify()
     seq_lens = [40, 300]
     stored = [random_kv(n, kv_dtype, K_SCALE, "cpu") for n in seq_lens]
     poisoned = stored[1].clone()
@@ -94,33 +116,15 @@ def check_nan(kv_dtype: torch.dtype, splits: int) -> None:
         0x7F if kv_dtype.itemsize == 1 else 0x7E00  # NaN in e4m3 / fp16
     )
     cache, table = paged_cache([stored[0], poisoned], 16)
-    rows = len(seq_lens) * QUERY_LEN
-    q = torch.randn(rows, HEADS, 576, dtype=torch.float16)
-    o = torch.zeros((rows, HEADS, 512), dtype=torch.float16)
-    lse = torch.zeros((rows, HEADS))
-    ops.fused_mla_verify_decode(
-        q,
-        cache,
-        table,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        o,
-        lse,
-        torch.empty(ops.workspace_numel(rows, HEADS, splits)),
-        query_len=QUERY_LEN,
-        sm_scale=SM_SCALE,
-        num_kv_splits=splits,
-        k_scale=torch.tensor([K_SCALE]),
-    )
+    # Zero-filled outputs: a row the kernels leave unwritten is not NaN.
+    q, o, lse = _run(cache, table, seq_lens, splits, 0.0)
     assert o[QUERY_LEN:].isnan().all(), "a row that sees the NaN is not NaN"
     assert lse[QUERY_LEN:].isnan().all(), "an LSE of a row that sees the NaN is not NaN"
     masks = [visible_mask(n, QUERY_LEN) for n in seq_lens[:1]]
     ref_o, ref_lse = reference_attention(
         q[:QUERY_LEN], [dequant(stored[0], K_SCALE)], masks, SM_SCALE
     )
-    err = ((o[:QUERY_LEN].double() - ref_o).norm() / ref_o.norm()).item()
-    lse_err = (lse[:QUERY_LEN].double() - ref_lse).abs().max().item()
-    print(f"clean request: relative output error {err:.2e}, LSE error {lse_err:.2e}")
-    assert err < 2e-3 and lse_err < 1e-4
+    _assert_close("clean request", o[:QUERY_LEN], lse[:QUERY_LEN], ref_o, ref_lse)
 
 
 if __name__ == "__main__":

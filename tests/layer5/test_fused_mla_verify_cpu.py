@@ -291,42 +291,41 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@pytest.mark.skipif(
+# Triton < 3.8's interpreter turns loop bounds into int(ndarray), which NumPy
+# >= 2.5 refuses for the 1-element arrays that loaded scalars are.
+_interpreter_works = pytest.mark.skipif(
     _release(triton.__version__) < (3, 8) and _release(numpy.__version__) >= (2, 5),
-    reason="Triton < 3.8's interpreter turns loop bounds into int(ndarray), which "
-    "NumPy >= 2.5 refuses for the 1-element arrays that loaded scalars are",
+    reason="Triton < 3.8's interpreter cannot run with NumPy >= 2.5",
 )
-@pytest.mark.parametrize("splits", [3, 20])
-@pytest.mark.parametrize("kv_dtype", ["float16", "float8_e4m3fn"])
-def test_interpreted_kernel_matches_float64_reference(kv_dtype, splits):
-    """The kernels' index and mask logic under Triton's CPU interpreter, which
-    must be switched on before triton is imported: hence a fresh process.
-    20 splits: the merge runs in column blocks, most splits see nothing."""
-    result = subprocess.run(
-        [sys.executable, str(INTERPRETED_CHECK), kv_dtype, str(splits)],
+
+
+def _interpreted_check(*args: str) -> subprocess.CompletedProcess:
+    """``k3_interpreted_check.py ARGS`` in a fresh process: the interpreter
+    must be switched on before triton is imported."""
+    return subprocess.run(
+        [sys.executable, str(INTERPRETED_CHECK), *args],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@_interpreter_works
+@pytest.mark.parametrize("splits", [3, 20])
+@pytest.mark.parametrize("kv_dtype", ["float16", "float8_e4m3fn"])
+def test_interpreted_kernel_matches_float64_reference(kv_dtype, splits):
+    """The kernels' index and mask logic under Triton's CPU interpreter.
+    20 splits: the merge runs in column blocks, most splits see nothing."""
+    result = _interpreted_check(kv_dtype, str(splits))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(
-    _release(triton.__version__) < (3, 8) and _release(numpy.__version__) >= (2, 5),
-    reason="Triton < 3.8's interpreter turns loop bounds into int(ndarray), which "
-    "NumPy >= 2.5 refuses for the 1-element arrays that loaded scalars are",
-)
+@_interpreter_works
 @pytest.mark.parametrize("splits", [1, 3, 20])
 def test_interpreted_kernel_propagates_nan_in_visible_kv(splits):
     """A NaN in a request's visible KV gives NaN outputs and LSEs for its rows,
     not an empty or finite result (fp16 KV: the interpreter reads e4m3's NaN
     byte as 480; the GPU tests cover fp8)."""
-    result = subprocess.run(
-        [sys.executable, str(INTERPRETED_CHECK), "float16", str(splits), "nan"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = _interpreted_check("float16", str(splits), "nan")
     assert result.returncode == 0, result.stdout + result.stderr
