@@ -140,6 +140,22 @@ def _assert_matches(
     assert lse_err < LSE_TOL, f"LSE error {lse_err:.3e}"
 
 
+def _default_tiling_on(
+    ops: types.ModuleType,
+    cache: torch.Tensor,
+    query_len: int,
+    heads: int,
+    use_gluon: bool,
+):
+    """The default 64-row tiling on the Gluon or the Triton kernel; skips the
+    test where the Gluon kernel does not run on ``cache``."""
+    if use_gluon and not ops.runs_gluon_kernel(cache, BF16, 64):
+        pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
+    return dataclasses.replace(
+        ops.default_config(query_len, heads), use_gluon=use_gluon
+    )
+
+
 def _random_lens(query_len: int, longest: int) -> list[int]:
     """A context of 1 (rows with no KV), exactly query_len, and two random."""
     mid = int(torch.randint(query_len + 1, 4096, ()).item())
@@ -181,14 +197,10 @@ def test_both_kernels_of_64_row_tiles_match_float64_reference(
 ):
     """The Gluon kernel (the default on Hopper) and the Triton kernel (the
     default elsewhere) on the same 64-row tiling."""
-    config = dataclasses.replace(
-        fused_verify.default_config(query_len, heads), use_gluon=use_gluon
-    )
     seq_lens = _random_lens(query_len, 20_000)
     stored = [random_kv(n, kv_dtype, K_SCALE, DEVICE) for n in seq_lens]
     cache, table = paged_cache(stored, page_size)
-    if use_gluon and not fused_verify.runs_gluon_kernel(cache, BF16, 64):
-        pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
+    config = _default_tiling_on(fused_verify, cache, query_len, heads, use_gluon)
     q = _queries(len(seq_lens), query_len, heads)
     o, lse = _run(
         fused_verify, q, cache, table, seq_lens, query_len=query_len, config=config
@@ -232,11 +244,7 @@ def test_nan_in_visible_kv_poisons_the_rows_that_see_it(
         first[n - 2, 542] = float("nan")
         second[5, 6] = float("nan")
     cache, table = paged_cache([first, second], 64)
-    if use_gluon and not fused_verify.runs_gluon_kernel(cache, BF16, 64):
-        pytest.skip("the Gluon kernel runs on Hopper (sm_90) GPUs only")
-    config = dataclasses.replace(
-        fused_verify.default_config(query_len, heads), use_gluon=use_gluon
-    )
+    config = _default_tiling_on(fused_verify, cache, query_len, heads, use_gluon)
     q = _queries(2, query_len, heads)
     o, lse = _run(
         fused_verify, q, cache, table, [n, n], query_len=query_len, config=config
