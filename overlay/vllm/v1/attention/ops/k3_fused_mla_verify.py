@@ -480,12 +480,11 @@ def _gl_refill_after_pv(
 
 
 @gluon.jit
-def _gl_rows_before(src, dst, first, n0, LD: gl.constexpr, BLOCK_N: gl.constexpr):
-    """``dst`` = the landed tile ``src`` (at token ``n0``) in ``dst``'s dtype,
-    rows at tokens ``>= first`` zero; ``src`` may be ``dst``."""
+def _gl_zero_rows_from(buf, first, n0, LD: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Zero the rows of a landed tile at tokens ``>= first``."""
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    x = src.load(LD).to(dst.dtype)
-    dst.store(gl.where(gl.expand_dims(offs_n < first, 1), x, gl.zeros_like(x)))
+    x = buf.load(LD)
+    buf.store(gl.where(gl.expand_dims(offs_n < first, 1), x, gl.zeros_like(x)))
 
 
 @gluon.jit
@@ -819,8 +818,15 @@ def _gl_softmax_partition(
                     PAGE_SIZE,
                     LATENT,
                 )
-            _gl_rows_before(kv_lat_s.index(buf), k16_lat, end, n0, LD_LAT, BLOCK_N)
-            _gl_rows_before(kv_rope_s.index(buf), k16_rope, end, n0, _LD_ROPE, BLOCK_N)
+            # The tile in the query dtype, rows past the end zero. Both parts
+            # are loaded before either is stored (one helper per part, store
+            # behind load, made the fp8 cases 4-7% slower).
+            rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
+            rows_rope = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LD_ROPE))
+            lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
+            rope = kv_rope_s.index(buf).load(_LD_ROPE).to(DT)
+            k16_lat.store(gl.where(gl.expand_dims(rows_lat < end, 1), lat, 0.0))
+            k16_rope.store(gl.where(gl.expand_dims(rows_rope < end, 1), rope, 0.0))
             fence_async_shared()
             _cta_barrier()
             s = warpgroup_mma(
@@ -865,10 +871,13 @@ def _gl_softmax_partition(
                 # TMA copies whole rows: what the cache holds past the end
                 # (even NaN) must not reach the P.V products.
                 for c in gl.static_range(LATENT // _CHUNK_COLS):
-                    chunk = kv_lat_s.index(buf).slice(
-                        c * _CHUNK_COLS, _CHUNK_COLS, dim=1
+                    _gl_zero_rows_from(
+                        kv_lat_s.index(buf).slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1),
+                        end,
+                        n0,
+                        _LD_CHUNK,
+                        BLOCK_N,
                     )
-                    _gl_rows_before(chunk, chunk, end, n0, _LD_CHUNK, BLOCK_N)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         s = gl.where(
             gl.expand_dims(offs_n, 0) < gl.expand_dims(local, 1),
