@@ -35,7 +35,19 @@ def test_non_loopback_bind_without_keys_is_refused(address):
 
 
 @pytest.mark.parametrize(
-    "address", ["tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:5555"]
+    "address",
+    [
+        "tcp://*:5555",
+        "tcp://0.0.0.0:5555",
+        "tcp://[::]:5555",
+        # Other spellings the resolver reads as the unspecified address.
+        "tcp://0:5555",
+        "tcp://0.0:5555",
+        "tcp://0x0:5555",
+        "tcp://000.0.0.0:5555",
+        "tcp://[::ffff:0.0.0.0]:5555",
+        "tcp://[0:0::0]:5555",
+    ],
 )
 def test_wildcard_bind_without_keys_is_refused_even_when_unsafe_is_allowed(address):
     with pytest.raises(BindRefused, match="all interfaces"):

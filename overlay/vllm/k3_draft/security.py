@@ -11,7 +11,9 @@
   public key.
 * Without keys, a non-loopback bind is refused unless
   ``allow_unsafe_remote_rpc`` is set, which logs a warning at every start. A
-  wildcard bind (``*``, ``0.0.0.0``, ``::``) without CURVE is always refused.
+  wildcard bind (``*`` or any spelling of the unspecified address that the
+  resolver accepts: ``0.0.0.0``, ``0``, ``0x0``, ``::``, ``::ffff:0.0.0.0``)
+  without CURVE is always refused.
 * Keys given for a local bind enable CURVE there too.
 * Other transports are refused.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket as _socket
 from dataclasses import dataclass
 
 import zmq
@@ -29,8 +32,6 @@ from zmq.auth.thread import ThreadAuthenticator
 from vllm.k3_draft.log import init_logger
 
 logger = init_logger(__name__)
-
-_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::"})
 
 
 def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
@@ -89,15 +90,32 @@ def bind_scope(address: str) -> str:
     if port.isdigit() and not 0 < int(port) < 65536:
         raise BindRefused(f"port {port} out of range in {address!r}")
     host = host.removeprefix("[").removesuffix("]")
-    if host in _WILDCARD_HOSTS:
+    if host == "*":
         return "wildcard"
     if host == "localhost":
         return "local"
-    try:
-        return "local" if ipaddress.ip_address(host).is_loopback else "remote"
-    except ValueError:
+    ip = _numeric_host(host)
+    if ip is None:
         # An interface or host name: treated as reachable from outside.
         return "remote"
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if ip.is_unspecified or (mapped is not None and mapped.is_unspecified):
+        return "wildcard"
+    return "local" if ip.is_loopback else "remote"
+
+
+def _numeric_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as the address the resolver reads it as (also the short and
+    hex IPv4 forms ``inet_aton`` takes, e.g. ``0``, ``0x0``, ``127.1``), or
+    None for a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(_socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def check_bind(
