@@ -43,6 +43,19 @@ def test_header_that_is_not_utf8_json_is_refused(frame):
         protocol.decode_header(frame, 1024)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_header_in_another_unicode_encoding_is_refused(encoding):
+    frame = '{"protocol":2,"op":"CLEAR"}'.encode(encoding)
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+        protocol.decode_header(frame, 1024)
+
+
+def test_integer_over_the_digit_limit_is_a_protocol_error():
+    frame = b'{"protocol":2,"op":"PING","x":' + b"9" * 5000 + b"}"
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+        protocol.decode_header(frame, 10_000)
+
+
 @pytest.mark.parametrize("frame", [b"[]", b"2", b'"PING"', b"null"])
 def test_header_that_is_not_an_object_is_refused(frame):
     with pytest.raises(ProtocolError, match="not a JSON object"):

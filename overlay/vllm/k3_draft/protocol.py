@@ -172,8 +172,15 @@ def decode_header(frame: Any, max_bytes: int) -> dict[str, Any]:
     if view.nbytes > max_bytes:
         raise ProtocolError(f"header has {view.nbytes} bytes, limit {max_bytes}")
     try:
-        header = json.loads(bytes(view), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # Decoded here: json.loads of bytes would also take UTF-16 and UTF-32.
+        header = json.loads(
+            bytes(view).decode("utf-8"), parse_constant=_reject_constant
+        )
+    except ProtocolError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        # ValueError: bad UTF-8, bad JSON, or an integer over Python's digit
+        # limit.
         raise ProtocolError(f"header is not UTF-8 JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
