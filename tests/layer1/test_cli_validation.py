@@ -46,6 +46,12 @@ def test_counts_must_be_positive_integers(flag, value, capsys):
     assert flag in refused([flag, value], capsys)
 
 
+@pytest.mark.parametrize("flag", ["--memory-limit-gib", "--min-free-memory-gib"])
+@pytest.mark.parametrize("value", ["0", "-1", "x", "inf", "nan"])
+def test_memory_sizes_must_be_positive_finite_numbers(flag, value, capsys):
+    assert flag in refused([flag, value], capsys)
+
+
 @pytest.mark.parametrize("window", ["24", "8"])
 def test_window_must_be_a_multiple_of_the_block_size(window, capsys):
     assert "multiple" in refused(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import signal
 import sys
@@ -85,8 +86,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive finite number")
     return value
 
 
