@@ -203,6 +203,18 @@ def test_page_table_narrower_than_local_span_is_refused(
         _builder(model_dir, monkeypatch, dcp=8, interleave=128, max_model_len=1100)
 
 
+def test_long_context_with_many_sequences_builds(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's default 256 sequences at 128K under DCP 4: every plan's workspace
+    # is small (few splits at large capacities).
+    planner = _builder(
+        model_dir, monkeypatch, dcp=4, max_model_len=131072, max_num_seqs=256
+    ).k3_verify
+    assert planner is not None and planner.capacities[-1] == 256
+    assert planner.plans[4][-1].num_kv_splits == 1
+
+
 def test_row_capacity_is_checked_at_construction(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -132,14 +132,15 @@ class FusedVerifyPlanner:
         self.cp_interleave = cp_interleave
         self.page_size = kv_cache_spec.block_size
 
-        # Row capacity: every decode row the scheduler can put in one step.
-        max_rows = max_num_seqs * max_query_len
-        if kernel.workspace_numel(max_rows, num_heads, max_splits) >= 2**31:
+        # Row capacity: the largest plan must take every decode request the
+        # scheduler can put in one step (max_num_seqs x max_query_len rows)
+        # in one launch. Its workspace stays within the backend's reservation
+        # (rows and splits at most those it was sized for).
+        if max_num_seqs > kernel.MAX_NUM_REQS:
             raise ValueError(
                 f"fused MLA verify: row capacity {max_num_seqs} seqs x "
-                f"{max_query_len} rows x {num_heads} heads x {max_splits} "
-                "splits overflows the kernel's workspace index; lower "
-                "max_num_seqs or num_speculative_tokens"
+                f"{max_query_len} rows exceeds the kernel's "
+                f"{kernel.MAX_NUM_REQS} requests per launch; lower max_num_seqs"
             )
 
         # Page-table coverage: the worker's row width against the pages of the
