@@ -63,6 +63,8 @@ def _call(ops, **overrides):
         ({"block_table": torch.zeros(2, 4, dtype=torch.int64)}, "block_table"),
         ({"block_table": torch.zeros(1, 4, dtype=torch.int32)}, "block_table"),
         ({"seq_lens": torch.zeros(2, dtype=torch.int64)}, "seq_lens"),
+        # Every other length: the kernel reads seq_lens[req] at stride 1.
+        ({"seq_lens": torch.zeros(4, dtype=torch.int32)[::2]}, "seq_lens"),
         ({"o": torch.zeros(8, 16, 576, dtype=torch.bfloat16)}, "o must be"),
         ({"lse": torch.zeros(8, 16, dtype=torch.bfloat16)}, "lse must be"),
         ({"lse": torch.zeros(8, 15)}, "lse must be"),
@@ -109,6 +111,32 @@ def test_config_folding_too_many_rows_is_rejected(fused_verify):
         heads_per_tile=32, block_n=32, num_warps=8, num_stages=3
     )
     with pytest.raises(ValueError, match="heads_per_tile"):
+        _call(fused_verify, config=config)
+
+
+@pytest.mark.parametrize(
+    ("block_n", "num_warps", "num_stages", "use_gluon", "message"),
+    [
+        (48, 4, 2, False, "block_n"),
+        (0, 4, 2, False, "block_n"),
+        (32, 4, 0, False, "num_stages"),
+        (32, 3, 2, False, "num_warps"),
+        (64, 8, 1, True, "buffers"),
+        (64, 8, 3, True, "buffers"),
+        (32, 8, 5, True, "buffers"),
+    ],
+)
+def test_tiling_the_kernels_cannot_run_is_rejected(
+    fused_verify, block_n, num_warps, num_stages, use_gluon, message
+):
+    config = fused_verify.VerifyKernelConfig(
+        heads_per_tile=16,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        use_gluon=use_gluon,
+    )
+    with pytest.raises(ValueError, match=message):
         _call(fused_verify, config=config)
 
 

@@ -65,6 +65,9 @@ KV_LORA_RANK = 512
 ROPE_DIM = 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 MAX_QUERY_LEN = 16
+# Requests of one call: the split kernels' grid has one program per request
+# along its third dimension, which CUDA caps at 65535.
+MAX_NUM_REQS = 65535
 # Rows x heads that one program folds into the M dimension of its dots: the
 # fp32 accumulator is BLOCK_M x 512, which must stay in registers.
 _MAX_BLOCK_M = 64
@@ -1054,8 +1057,24 @@ def fused_mla_verify_decode(
             f"config.heads_per_tile={cfg.heads_per_tile} must be >= 1 and fold "
             f"with query_len={query_len} into at most {_MAX_BLOCK_M} rows"
         )
+    if cfg.block_n not in (16, 32, 64, 128) or cfg.num_stages < 1:
+        raise ValueError(
+            f"config.block_n must be 16, 32, 64 or 128 and num_stages >= 1, got "
+            f"{cfg.block_n} and {cfg.num_stages}"
+        )
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"config.num_warps must be 1..16, a power of two, got {cfg.num_warps}"
+        )
     if cfg.use_gluon and cfg.block_n not in (32, 64):
         raise ValueError(f"the Gluon kernel needs block_n 32 or 64, got {cfg.block_n}")
+    if cfg.use_gluon and not 2 <= cfg.num_stages <= 128 // cfg.block_n:
+        # One buffer would wait for a tile it has not yet issued; more than
+        # 128 tokens of buffers do not fit in shared memory beside the query.
+        raise ValueError(
+            f"the Gluon kernel needs 2..{128 // cfg.block_n} buffers of "
+            f"{cfg.block_n} tokens, got num_stages={cfg.num_stages}"
+        )
     parts = num_rows * num_heads * num_kv_splits
     part_o = workspace[: parts * KV_LORA_RANK]
     part_lse = workspace[parts * KV_LORA_RANK : parts * (KV_LORA_RANK + 1)]
@@ -1223,11 +1242,18 @@ def _validate(
     num_rows, num_heads = q.shape[0], q.shape[1]
     if num_heads < 1:
         raise ValueError("q must have at least one head")
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+    if (
+        seq_lens.dim() != 1
+        or seq_lens.dtype != torch.int32
+        or not seq_lens.is_contiguous()
+    ):
         raise ValueError(
-            f"seq_lens must be 1-D int32, got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+            f"seq_lens must be contiguous 1-D int32, got {seq_lens.dtype} "
+            f"{tuple(seq_lens.shape)} strides {seq_lens.stride()}"
         )
     num_reqs = seq_lens.shape[0]
+    if num_reqs > MAX_NUM_REQS:
+        raise ValueError(f"{num_reqs} requests in one call, at most {MAX_NUM_REQS}")
     if num_rows != num_reqs * query_len:
         raise ValueError(
             f"q has {num_rows} rows, expected num_reqs * query_len = "
