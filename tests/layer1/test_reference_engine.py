@@ -107,6 +107,22 @@ def test_positions_before_the_valid_start_are_ignored():
     assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3.0e38])
+def test_a_previous_owners_non_finite_kv_does_not_reach_the_next(poison):
+    # The slot's previous owner left NaN/inf KV (3e38 overflows to inf in
+    # the projections) below the next request's start.
+    engine = make_engine()
+    engine.propose(
+        batch([0], [0], [20], [20], torch.full((20, WIDTH), poison).bfloat16())
+    )
+    fresh = make_engine()
+    context = rows(5, 9)
+    a = engine.propose(batch([0], [15], [20], [5], context))
+    b = fresh.propose(batch([0], [15], [20], [5], context))
+    assert a.logits is not None and b.logits is not None
+    assert torch.equal(a.logits, b.logits)
+
+
 def test_restore_rebuilds_the_same_kv_in_another_slot():
     engine = make_engine()
     engine.propose(batch([0], [0], [50], [50], rows(50, 10)))

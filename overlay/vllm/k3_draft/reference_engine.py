@@ -345,9 +345,14 @@ class TorchDraftEngine(DraftEngine):
         ctx_pos = (
             anchor_pos[:, None] - window + torch.arange(window, device=self.device)
         )
-        attend = torch.cat(
-            (ctx_pos >= starts[:, None], torch.ones_like(ids, dtype=torch.bool)), 1
-        )[:, None, None, :]
+        ctx_seen = ctx_pos >= starts[:, None]
+        attend = torch.cat((ctx_seen, torch.ones_like(ids, dtype=torch.bool)), 1)[
+            :, None, None, :
+        ]
+        # Window rows before the request's start hold whatever the slot's
+        # previous owner left (even NaN or inf): zero them, since a masked
+        # weight of 0 times NaN is still NaN.
+        ctx_seen = ctx_seen[:, :, None, None]
         ctx_index = self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0))
         q_shape = (batch, rows, shape.num_heads, shape.head_dim)
         kv_shape = (batch, rows, shape.num_kv_heads, shape.head_dim)
@@ -358,8 +363,10 @@ class TorchDraftEngine(DraftEngine):
             k = self._norm((h @ w["wk"][layer].T).view(kv_shape), w["k_norm"][layer])
             v = (h @ w["wv"][layer].T).view(kv_shape)
             q, k = self._rope(q, positions), self._rope(k, positions)
-            keys = torch.cat((self.kv[layer, 0][ctx_index], k), 1)
-            values = torch.cat((self.kv[layer, 1][ctx_index], v), 1)
+            ctx_k = torch.where(ctx_seen, self.kv[layer, 0][ctx_index], 0.0)
+            ctx_v = torch.where(ctx_seen, self.kv[layer, 1][ctx_index], 0.0)
+            keys = torch.cat((ctx_k, k), 1)
+            values = torch.cat((ctx_v, v), 1)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 keys.transpose(1, 2),
