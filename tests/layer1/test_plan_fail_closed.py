@@ -16,7 +16,7 @@ import torch
 
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient, ServerRequirements
-from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest
+from vllm.k3_draft.plan import NO_DRAFT, RemotePlan, StepInputs, StepRequest
 
 pytest_plugins = ("conftest_client",)
 
@@ -147,6 +147,22 @@ def test_failed_reconnect_forgets_the_prefix_and_cold_bootstraps(plan, scripted_
     # Only the forgotten source covers position 20.
     plan.run(_step(["other"], first=20, count=4))
     assert scripted_server.ops() == ["PROPOSE"]
+
+
+def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(
+    plan, scripted_server
+):
+    plan.run(_step(["src"], count=40))
+    # No restored_start.
+    scripted_server.handlers["RECONNECT"] = lambda h, f: [
+        protocol.encode_header(
+            protocol.ok_reply("RECONNECT", prefix_end=h["prefix_end"])
+        )
+    ]
+    result = plan.run(_step(["new"], first=32, count=4))
+    assert (result.tokens == NO_DRAFT).all()
+    assert plan.retained["new"].stale
+    assert not plan.retained["src"].reconnectable
 
 
 def test_reconnect_needs_identical_tokens(plan, scripted_server):

@@ -341,6 +341,11 @@ class RemotePlan:
                 self._run(step, batch, result)
         except TransportError as exc:
             self._go_offline(exc)
+        except ProtocolError as exc:
+            # A malformed RECONNECT reply (its request is already stale):
+            # fail closed as a malformed PROPOSE reply does.
+            logger.warning("Draft RECONNECT failed (%s); no drafts this step", exc)
+            self.server = None
         self._previous_batch = batch
         return result
 
