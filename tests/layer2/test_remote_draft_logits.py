@@ -483,6 +483,57 @@ def test_a_cleared_slot_publishes_no_draft_and_keeps_the_cache(
     assert torch.equal(extension.draft_logits, cache)
 
 
+class _ParkedCopy:
+    """Stands in for a device copy's event and counts the host waits for it
+    (for a copy parked behind a gate, a wait from the thread that alone
+    releases the gate never returns)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_prepare_waits_for_the_copy_that_last_read_the_slot(one_rank):
+    extension = _two_slot_extension(one_rank)
+    copy = extension.staged_payload(1).copied = _ParkedCopy()
+    extension.prepare_staging(3)  # modulo the two slots: slot 1
+    assert copy.waits == 1
+
+
+@pytest.mark.parametrize("fill", ["consume", "clear"])
+def test_a_selected_slot_is_filled_without_waiting_for_its_published_copy(
+    one_rank, fill
+):
+    """The reply thread fills or clears a slot whose copy ``publish`` already
+    enqueued behind the gate that the reply thread alone releases."""
+    extension = _two_slot_extension(one_rank)
+    proposal = _single_proposal()
+    extension.prepare_staging(1)
+    extension.select_staging(1)
+    parked = extension.staged_payload(1).copied = _ParkedCopy()
+    if fill == "consume":
+        extension.consume(*_reply_for(extension.format, proposal, 1), proposal)
+    else:
+        extension.clear_staging(1)
+    assert parked.waits == 0
+
+
+def test_a_consume_without_selection_waits_for_the_slots_last_copy(one_rank):
+    extension = _two_slot_extension(one_rank)
+    proposal = _single_proposal()
+    reply = _reply_for(extension.format, proposal, 1)
+    extension.select_staging(1)
+    extension.consume(*reply, proposal)  # the selected fill
+    copy = extension.staged_payload(0).copied = _ParkedCopy()
+    extension.consume(*reply, proposal)  # round robin: slot 0, not selected
+    assert copy.waits == 1
+
+
 # ------------------------------------------------------------------ envs
 
 

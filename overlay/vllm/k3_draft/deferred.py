@@ -116,16 +116,20 @@ def synchronous_reason(
 class DeferrableExtension(Protocol):
     """What a ``ProposeExtension`` offers to be published behind the gate.
 
-    Staging slots are numbered; the reply thread (rank 0) calls
-    ``select_staging(i)`` before the step's RPCs, so that ``consume`` fills
-    slot ``i`` and returns ``staged_payload(i)``; ``clear_staging(i)`` makes
-    slot ``i`` publish no draft (failed or absent reply). ``consume`` and
-    ``clear_staging`` must wait for any device copy still reading the slot.
-    ``staged_payload(i)`` is handed to ``publish`` on rank 0 while the reply
-    is still outstanding (the copy it enqueues runs behind the gate, after
-    the reply thread filled or cleared the slot)."""
+    Staging slots are numbered. Rank 0's stream owner calls
+    ``prepare_staging(i)`` before it starts the reply thread that fills slot
+    ``i``: it waits for any device copy still reading the slot. The reply
+    thread calls ``select_staging(i)`` before the step's RPCs, so that
+    ``consume`` fills slot ``i`` and returns ``staged_payload(i)``;
+    ``clear_staging(i)`` makes slot ``i`` publish no draft (failed or absent
+    reply). Neither waits for a device copy: ``staged_payload(i)`` is handed
+    to ``publish`` on rank 0 while the reply is still outstanding, and the
+    copy it enqueues runs behind the gate that only the reply thread
+    releases, after it filled or cleared the slot."""
 
     deferral_safe: bool
+
+    def prepare_staging(self, index: int) -> None: ...
 
     def select_staging(self, index: int) -> None: ...
 
@@ -140,6 +144,10 @@ class _ExtensionStaging:
     def __init__(self, extension: ProposeExtension) -> None:
         self.extension = extension
         self.capability = extension.capability
+
+    def prepare(self, index: int) -> None:
+        assert isinstance(self.extension, DeferrableExtension)
+        self.extension.prepare_staging(index)
 
     def select(self, index: int) -> None:
         assert isinstance(self.extension, DeferrableExtension)
@@ -249,6 +257,8 @@ class DeferredResolution(ImmediateResolution):
             self._next_slot = (self._next_slot + 1) % NUM_STAGING_SLOTS
             if slot.done is not None:
                 slot.done.result()
+            for handle in self._staging:
+                handle.prepare(slot.index)
             slot.reply.reset()
             assert self._executor is not None
             slot.done = self._executor.submit(

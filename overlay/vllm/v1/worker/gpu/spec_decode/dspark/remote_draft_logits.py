@@ -14,7 +14,8 @@ bf16 ``[max_num_reqs, K, V]``):
   entry and frame (``decode_logits``) and copies it, in batch order, into one
   of ``num_staging_slots`` pinned staging slots; rows and slots the reply does
   not cover get no sample position. Before reusing a slot it waits for the
-  device copy that last read it.
+  device copy that last read it, unless the slot was selected (the stream's
+  owner waited in ``prepare_staging``).
 * ``publish`` (every TP rank, same order, device work only, no host sync):
   rank 0 copies the staging slot to the device, the step's sample positions
   and logits are broadcast from rank 0, top-k slices are scattered over a
@@ -28,8 +29,9 @@ bf16 ``[max_num_reqs, K, V]``):
   (-1) and its cache row is left untouched.
 
 Deferred resolution (a higher layer) publishes a slot before its reply
-arrives; ``deferral_safe``, ``select_staging``, ``staged_payload`` and
-``clear_staging`` let it choose, read and empty staging slots by number.
+arrives; ``deferral_safe``, ``prepare_staging``, ``select_staging``,
+``staged_payload`` and ``clear_staging`` let it free, choose, read and empty
+staging slots by number.
 
 Device memory: the cache plus a sampling buffer of the same size; rank 0 also
 pins ``num_staging_slots`` host copies of the largest reply.
@@ -148,6 +150,8 @@ class RemoteDraftLogits(ProposeExtension):
         self._cuda = device.type == "cuda"
         self._staging: list[_Staging] = []
         self._next = 0
+        # The next consume fills a prepared slot (select_staging).
+        self._selected = False
         if tp_group.rank_in_group == 0:
             host = torch.device("cpu")
             self._staging = [
@@ -168,10 +172,22 @@ class RemoteDraftLogits(ProposeExtension):
     def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
         return self.format.request_fields()
 
+    def prepare_staging(self, index: int) -> None:
+        """Stream owner, before it starts the reply that fills slot ``index``:
+        wait for the device copy that last read the slot. The reply thread
+        then fills (``select_staging``, ``consume``) or empties it
+        (``clear_staging``) without waiting: the copy that ``publish``
+        enqueues for that very reply may already be parked behind the gate
+        that only the reply thread releases."""
+        staging = self.staged_payload(index)
+        if staging.copied is not None:
+            staging.copied.synchronize()
+
     def select_staging(self, index: int) -> None:
-        """Make the next ``consume`` fill staging slot ``index``; later ones
-        go on round robin from there."""
+        """Make the next ``consume`` fill the prepared staging slot
+        ``index``; later ones go on round robin from there (and wait)."""
         self._next = index % len(self._staging)
+        self._selected = True
 
     def staged_payload(self, index: int) -> _Staging:
         """Slot ``index``'s payload for ``publish``: the object ``consume``
@@ -181,13 +197,11 @@ class RemoteDraftLogits(ProposeExtension):
         return self._staging[index % len(self._staging)]
 
     def clear_staging(self, index: int) -> None:
-        """Empty slot ``index`` after waiting for the device copy that last
-        read it: publishing it then gives no draft and leaves every cache
-        row untouched (as publishing None does)."""
-        staging = self.staged_payload(index)
-        if staging.copied is not None:
-            staging.copied.synchronize()
-        staging.rows.positions.fill_(-1)
+        """Empty the prepared slot ``index``: publishing it then gives no
+        draft and leaves every cache row untouched (as publishing None
+        does)."""
+        self._selected = False
+        self.staged_payload(index).rows.positions.fill_(-1)
 
     def consume(
         self, metadata: dict[str, Any], frames: list[Any], proposal: Proposal
@@ -202,7 +216,9 @@ class RemoteDraftLogits(ProposeExtension):
         )
         staging = self._staging[self._next]
         self._next = (self._next + 1) % len(self._staging)
-        if staging.copied is not None:
+        if self._selected:
+            self._selected = False
+        elif staging.copied is not None:
             staging.copied.synchronize()
         rows, k = proposal.batch_rows, proposal.num_speculative_tokens
         positions = staging.rows.positions.numpy()
