@@ -165,6 +165,20 @@ def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(
     assert not plan.retained["src"].reconnectable
 
 
+def test_retained_request_reconnects_from_another_source(plan, scripted_server):
+    plan.run(_step(["a"], count=8))  # a holds [0, 8)
+    plan.run(_step(["src"], count=40))  # src holds [0, 40); a not in this step
+    scripted_server.log.clear()
+    # a resumes at 32 (a prefix-cache hit past its own end): RECONNECT from src.
+    result = plan.run(_step(["a"], first=32, count=4))
+    assert scripted_server.ops() == ["RECONNECT", "PROPOSE"]
+    assert (result.tokens == 5).all()
+    state = plan.retained["a"]
+    assert (state.end, state.stale) == (36, False)
+    tokens = np.arange(64, dtype=np.int32)
+    assert state.tokens is not None and state.tokens.prefix_equals(tokens, 36)
+
+
 def test_reconnect_needs_identical_tokens(plan, scripted_server):
     plan.run(_step(["src"], count=40))
     scripted_server.log.clear()

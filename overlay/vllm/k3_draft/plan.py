@@ -450,8 +450,10 @@ class RemotePlan:
             )
             self.retained[rid] = state
         else:
+            # The source may be another request: the log is the request's
+            # tokens up to prefix_end, whatever it held before.
             state.start, state.end = restored, prefix_end
-            state.tokens.assign(request.tokens, prefix_end, prefix_end)
+            state.tokens.assign(request.tokens, 0, prefix_end)
         return True
 
     def _find_source(self, request: StepRequest) -> str | None:
