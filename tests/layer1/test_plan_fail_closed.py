@@ -179,6 +179,17 @@ def test_retained_request_reconnects_from_another_source(plan, scripted_server):
     assert state.tokens is not None and state.tokens.prefix_equals(tokens, 36)
 
 
+def test_request_id_the_protocol_cannot_carry_gets_no_draft(plan, scripted_server):
+    long_id = "x" * (protocol.MAX_REQUEST_ID_CHARS + 1)
+    for _ in range(3):
+        result = plan.run(_step(["a", long_id]))
+        assert (result.tokens[0] == 5).all() and (result.tokens[1] == NO_DRAFT).all()
+    assert "FREE" not in scripted_server.ops()
+    for _, header in scripted_server.log:
+        assert [r["request_id"] for r in header.get("requests", [])] in ([], ["a"])
+    assert long_id not in plan.retained
+
+
 def test_reconnect_needs_identical_tokens(plan, scripted_server):
     plan.run(_step(["src"], count=40))
     scripted_server.log.clear()

@@ -49,6 +49,7 @@ from vllm.k3_draft.client import (
 )
 from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.protocol import (
+    MAX_REQUEST_ID_CHARS,
     OP_FREE,
     OP_PROPOSE,
     OP_RECONNECT,
@@ -281,6 +282,7 @@ class RemotePlan:
         self._max_retry_interval_s = max_retry_interval_s
         self._backoff_s = retry_interval_s
         self._retry_at = 0.0
+        self._warned_long_id = False
 
     # ------------------------------------------------------------ server
 
@@ -352,7 +354,11 @@ class RemotePlan:
     def _run(self, step: StepInputs, batch: set[str], result: StepResult) -> None:
         assert self.server is not None
         limit = self.needs.max_model_len
-        sendable = [i for i, r in enumerate(step.requests) if r.anchor_position < limit]
+        sendable = [
+            i
+            for i, r in enumerate(step.requests)
+            if r.anchor_position < limit and self._wire_id(r.request_id)
+        ]
         self._free(batch, {step.requests[i].request_id for i in sendable})
         free_slots = self.server.max_requests - len(self.retained)
         entries: list[tuple[int, bool]] = []
@@ -371,6 +377,21 @@ class RemotePlan:
             entries.append((i, not self._reconnect(request)))
         if entries:
             self._propose(step, entries, result)
+
+    def _wire_id(self, rid: str) -> bool:
+        """Whether the protocol can carry ``rid``; a request it cannot gets no
+        drafts (and is never retained, so no FREE ever names it)."""
+        if 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
+            return True
+        if not self._warned_long_id:
+            self._warned_long_id = True
+            logger.warning(
+                "Request ids of 1..%d characters only cross the draft protocol; "
+                "a request with an id of %d gets no drafts",
+                MAX_REQUEST_ID_CHARS,
+                len(rid),
+            )
+        return False
 
     def _continues(self, request: StepRequest, state: _Retained) -> bool:
         """Whether the server's state is the committed prefix of ``request``."""
