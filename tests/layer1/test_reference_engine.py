@@ -123,12 +123,50 @@ def test_a_previous_owners_non_finite_kv_does_not_reach_the_next(poison):
     assert torch.equal(a.logits, b.logits)
 
 
+def rows_at(first: int, end: int) -> torch.Tensor:
+    """Context rows of positions ``[first, end)``, each a function of its
+    position only (the same whichever PROPOSE carries it)."""
+    return torch.stack(
+        [
+            torch.randn(WIDTH, generator=torch.Generator().manual_seed(p))
+            for p in range(first, end)
+        ]
+    ).bfloat16()
+
+
+def test_rewind_after_one_long_context_matches_an_incremental_build():
+    # One PROPOSE of 100 rows, then a rewind by a block (the server's limit).
+    engine = make_engine()
+    engine.propose(batch([0], [0], [100], [100], rows_at(0, 100)))
+    rewound = engine.propose(batch([0], [0], [85], [1], rows_at(84, 85)))
+    fresh = make_engine()
+    for first, end in ((0, 32), (32, 64), (64, 85)):
+        built = fresh.propose(
+            batch([0], [0], [end], [end - first], rows_at(first, end))
+        )
+    assert rewound.logits is not None and built.logits is not None
+    # Same K/V up to the rounding of other batch shapes.
+    torch.testing.assert_close(rewound.logits, built.logits, rtol=0, atol=1e-4)
+
+
+def test_rewind_after_restore_matches_a_request_of_the_restored_positions():
+    engine = make_engine()
+    for first, end in ((0, 32), (32, 64), (64, 96), (96, 100)):
+        engine.propose(batch([0], [0], [end], [end - first], rows_at(first, end)))
+    engine.restore(0, 1, 64, 100)
+    rewound = engine.propose(batch([1], [64], [85], [1], rows_at(84, 85)))
+    fresh = make_engine()
+    built = fresh.propose(batch([1], [64], [85], [21], rows_at(64, 85)))
+    assert rewound.logits is not None and built.logits is not None
+    torch.testing.assert_close(rewound.logits, built.logits, rtol=0, atol=1e-4)
+
+
 def test_restore_rebuilds_the_same_kv_in_another_slot():
     engine = make_engine()
     engine.propose(batch([0], [0], [50], [50], rows(50, 10)))
-    engine.restore(0, 2, 16, 50, 18)
+    engine.restore(0, 2, 16, 50)
     geometry = engine.geometry
-    positions = torch.arange(18, 50)
+    positions = torch.arange(16, 50)
     src = geometry.slot_mapping(torch.zeros_like(positions), positions)
     dst = geometry.slot_mapping(torch.full_like(positions, 2), positions)
     torch.testing.assert_close(engine.kv[:, :, dst], engine.kv[:, :, src])
@@ -144,10 +182,11 @@ def test_memory_plan_counts_kv_of_every_block():
 
 def test_plan_context_keeps_only_rows_the_cache_can_hold():
     context = batch([1], [0], [100], [100], rows(100, 11))
-    plan = plan_context(context, window=32, budget=64)
+    plan = plan_context(context, reach=48, budget=64)
     assert plan.keep is not None and plan.kv_select is not None
     assert plan.keep.tolist() == list(range(36, 100))
-    assert plan.kv_select.tolist() == list(range(32, 64))
+    # K/V of the ring's reach (window 32 + block 16): rows 52..99.
+    assert plan.kv_select.tolist() == list(range(16, 64))
 
 
 def test_graph_batch_sizes_cover_every_batch_size():

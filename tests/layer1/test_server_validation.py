@@ -3,6 +3,7 @@
 """Draft server semantics per op, on the real server core and reference engine
 (in process; the transport is covered by test_server_process.py)."""
 
+import dataclasses
 import json
 from typing import Any
 
@@ -110,6 +111,29 @@ def test_rewind_overwrites_rejected_rows(server):
 def test_rewind_beyond_the_block_is_refused(server):
     propose(server, [entry("a", 40, 40, reset=True)])
     assert "rewinds to 23" in error_of(propose(server, [entry("a", 25, 2)]))
+
+
+def test_rewind_is_bounded_from_the_highest_position_written(server):
+    # The ring still holds what was written up to 40, not up to the end an
+    # earlier rewind left: a second rewind is measured from 40.
+    propose(server, [entry("a", 40, 40, reset=True)])
+    assert propose(server, [entry("a", 35, 2)])["ok"]
+    assert "rewinds to 22" in error_of(propose(server, [entry("a", 24, 2)]))
+    assert state(server)["a"] == (0, 0, 35, 40)
+
+
+def test_rewind_reaches_no_further_back_than_a_long_propose_wrote_kv():
+    # A cache of one window: a 100-row PROPOSE keeps (and writes K/V for) its
+    # last 64 rows, so a rewind may only resend the last row.
+    limits = dataclasses.replace(LIMITS, prefix_cache_tokens=LIMITS.window_size)
+    engine = ReferenceEngine(
+        limits, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    engine.load()
+    small = DraftServer(engine)
+    propose(small, [entry("a", 100, 100, reset=True)])
+    assert "rewinds to 98" in error_of(propose(small, [entry("a", 99, 1)]))
+    assert propose(small, [entry("a", 100, 1)])["ok"]
 
 
 def test_rewind_before_the_valid_start_is_refused(server):

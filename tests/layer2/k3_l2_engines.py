@@ -118,9 +118,7 @@ class TableEngine(DraftEngine):
             tokens, logits if batch.want_logits else None, timer.timings
         )
 
-    def restore(
-        self, src_slot: int, dst_slot: int, start: int, end: int, kv_start: int
-    ) -> None:
+    def restore(self, src_slot: int, dst_slot: int, start: int, end: int) -> None:
         pass
 
 

@@ -63,6 +63,11 @@ class DraftLimits:
             )
 
     @property
+    def kv_reach(self) -> int:
+        """Consecutive positions a request's KV ring holds at once."""
+        return self.window_size + self.block_size
+
+    @property
     def geometry(self) -> SlotGeometry:
         return SlotGeometry(self.block_size, self.window_size, self.max_requests)
 
@@ -125,7 +130,8 @@ class ContextPlan:
     ``keep``: indices of rows to transfer (the last ``budget`` positions of
     each request), ``None`` when all are kept. ``positions``/``slots``: per kept
     row. ``kv_select``: indices into the kept rows whose K/V is written (the
-    last ``window`` positions), ``None`` when all.
+    last ``reach`` positions: a later PROPOSE may rewind into them; all kept
+    rows when ``reach`` exceeds ``budget``), ``None`` when all.
     """
 
     keep: torch.Tensor | None
@@ -134,13 +140,13 @@ class ContextPlan:
     kv_select: torch.Tensor | None
 
 
-def plan_context(batch: ProposeBatch, window: int, budget: int) -> ContextPlan:
+def plan_context(batch: ProposeBatch, reach: int, budget: int) -> ContextPlan:
     """Drop rows that neither the KV window nor the context cache can hold, so
     no two written rows of a request share a ring location. ``batch``'s
     positions must be contiguous up to each request's end (validated)."""
     counts = np.asarray(batch.counts, dtype=np.int64)
     slots = np.repeat(np.asarray(batch.slots, dtype=np.int64), counts)
-    if max(batch.counts) <= window <= budget:
+    if max(batch.counts) <= reach <= budget:
         # Positions are contiguous up to each end: every row fits.
         return ContextPlan(None, batch.positions, torch.from_numpy(slots), None)
     ends = np.repeat(np.asarray(batch.ends, dtype=np.int64), counts)
@@ -151,7 +157,7 @@ def plan_context(batch: ProposeBatch, window: int, budget: int) -> ContextPlan:
         keep_idx = np.flatnonzero(keep_mask)
         keep = torch.from_numpy(keep_idx)
         positions, ends, slots = positions[keep_idx], ends[keep_idx], slots[keep_idx]
-    kv_mask = positions >= ends - window
+    kv_mask = positions >= ends - reach
     kv_select = None if kv_mask.all() else torch.from_numpy(np.flatnonzero(kv_mask))
     return ContextPlan(
         keep=keep,
@@ -252,9 +258,7 @@ class DraftEngine(abc.ABC):
         request from ``[anchor, mask...]`` and return them."""
 
     @abc.abstractmethod
-    def restore(
-        self, src_slot: int, dst_slot: int, start: int, end: int, kv_start: int
-    ) -> None:
-        """RECONNECT: copy cached rows ``[start, end)`` from ``src_slot`` to
-        ``dst_slot`` and rebuild ``dst_slot``'s KV for ``[kv_start, end)``
-        from them (``start <= kv_start``)."""
+    def restore(self, src_slot: int, dst_slot: int, start: int, end: int) -> None:
+        """RECONNECT: copy cached rows ``[start, end)`` (at most ``kv_reach``)
+        from ``src_slot`` to ``dst_slot`` and rebuild ``dst_slot``'s KV for
+        them."""

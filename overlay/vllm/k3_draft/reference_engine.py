@@ -429,7 +429,7 @@ class TorchDraftEngine(DraftEngine):
         )
 
     def _store_context(self, batch: ProposeBatch) -> None:
-        plan = plan_context(batch, self.limits.window_size, self.cache.budget)
+        plan = plan_context(batch, self.limits.kv_reach, self.cache.budget)
         rows = batch.rows if plan.keep is None else batch.rows[plan.keep]
         if self.device.type == "cuda":
             staged = self._host_rows[: rows.shape[0]]
@@ -450,13 +450,11 @@ class TorchDraftEngine(DraftEngine):
             combined, positions, self.geometry.slot_mapping(slots, positions)
         )
 
-    def restore(
-        self, src_slot: int, dst_slot: int, start: int, end: int, kv_start: int
-    ) -> None:
+    def restore(self, src_slot: int, dst_slot: int, start: int, end: int) -> None:
         self.cache.copy(src_slot, dst_slot, start, end)
-        if kv_start < end:
-            combined = self.cache.read(dst_slot, kv_start, end)
-            positions = torch.arange(kv_start, end, device=self.device)
+        if start < end:
+            combined = self.cache.read(dst_slot, start, end)
+            positions = torch.arange(start, end, device=self.device)
             slots = torch.full_like(positions, dst_slot)
             self._write_kv(
                 combined, positions, self.geometry.slot_mapping(slots, positions)

@@ -106,7 +106,13 @@ class DraftServer:
         self.server_id = uuid.uuid4().hex
         self.started = time.time()
         self.cuda_graph_shapes = [list(shape) for shape in cuda_graph_shapes]
-        self.max_rewind = self.limits.block_size - engine.spec.query_kv_overhang
+        # A rewind reads K/V written before it: the ring holds the last
+        # window + block positions (less what the query pass writes past the
+        # end), a long PROPOSE writes the last prefix_cache_tokens of them.
+        self.max_rewind = min(
+            self.limits.block_size - engine.spec.query_kv_overhang,
+            self.limits.prefix_cache_tokens - self.limits.window_size + 1,
+        )
         if self.max_rewind < 0:
             raise ValueError(
                 f"block_size {self.limits.block_size} is below the engine's query "
@@ -342,7 +348,6 @@ class DraftServer:
                 slot,
                 plan.restored_start,
                 plan.prefix_end,
-                plan.kv_start,
             )
         except Exception:
             self.stats.reconnect_failures += 1

@@ -247,10 +247,12 @@ def check_propose(
                 f"context of {rid!r} starts at {first}, after its committed end "
                 f"{state.end}"
             )
-        if first < state.start or state.end - first > max_rewind:
+        # The KV ring holds what was written up to the high-water mark: an
+        # earlier rewind does not bring back what later positions overwrote.
+        if first < state.start or state.high - first > max_rewind:
             raise ProtocolError(
                 f"context of {rid!r} rewinds to {first}: allowed back to "
-                f"{max(state.start, state.end - max_rewind)} (reset instead)"
+                f"{max(state.start, state.high - max_rewind)} (reset instead)"
             )
     if new > num_free_slots:
         raise ProtocolError(
@@ -263,10 +265,9 @@ class ReconnectPlan:
     source: RequestState
     request_id: str
     prefix_end: int
-    # Restored valid positions are [restored_start, prefix_end); K/V is
-    # rebuilt for [kv_start, prefix_end).
+    # Restored valid positions are [restored_start, prefix_end), K/V rebuilt
+    # for all of them (a later PROPOSE may rewind into the window's start).
     restored_start: int
-    kv_start: int
 
 
 def plan_reconnect(
@@ -304,5 +305,4 @@ def plan_reconnect(
         request_id=rid,
         prefix_end=prefix_end,
         restored_start=restored_start,
-        kv_start=max(restored_start, window_start),
     )
