@@ -96,31 +96,28 @@ def test_context_inside_the_window_matters():
     assert not torch.equal(a.logits, b.logits)
 
 
-def test_positions_before_the_valid_start_are_ignored():
+def assert_drafts_as_if_fresh_from_15(previous: torch.Tensor) -> None:
+    """After ``previous`` filled positions [0, 20) of slot 0, a request valid
+    from 15 drafts exactly as on a fresh engine."""
     engine = make_engine()
-    engine.propose(batch([0], [0], [20], [20], rows(20, 8)))
+    engine.propose(batch([0], [0], [20], [20], previous))
     fresh = make_engine()
     context = rows(5, 9)
     a = engine.propose(batch([0], [15], [20], [5], context))
     b = fresh.propose(batch([0], [15], [20], [5], context))
     assert a.logits is not None and b.logits is not None
     assert torch.equal(a.logits, b.logits)
+
+
+def test_positions_before_the_valid_start_are_ignored():
+    assert_drafts_as_if_fresh_from_15(rows(20, 8))
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3.0e38])
 def test_a_previous_owners_non_finite_kv_does_not_reach_the_next(poison):
-    # The slot's previous owner left NaN/inf KV (3e38 overflows to inf in
-    # the projections) below the next request's start.
-    engine = make_engine()
-    engine.propose(
-        batch([0], [0], [20], [20], torch.full((20, WIDTH), poison).bfloat16())
-    )
-    fresh = make_engine()
-    context = rows(5, 9)
-    a = engine.propose(batch([0], [15], [20], [5], context))
-    b = fresh.propose(batch([0], [15], [20], [5], context))
-    assert a.logits is not None and b.logits is not None
-    assert torch.equal(a.logits, b.logits)
+    # NaN/inf KV below the next request's start (3e38 overflows to inf in the
+    # projections).
+    assert_drafts_as_if_fresh_from_15(torch.full((20, WIDTH), poison).bfloat16())
 
 
 def rows_at(first: int, end: int) -> torch.Tensor:
