@@ -36,6 +36,7 @@ FROM_LINE = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2
 LIST_FIELDS = ("Overlay", "Upstream-Tests", "Suite")
 REQUIRED_FIELDS = ("Description", "Origin", "Forwarded", "Last-Update")
 _HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 @dataclass
@@ -147,10 +148,12 @@ def parse_fields(text: str, where: str) -> dict[str, str]:
     for name in LIST_FIELDS:
         if name in fields:
             fields[name] = "\n".join(fields[name].split())
-    missing = [n for n in REQUIRED_FIELDS if n not in fields]
+    missing = [n for n in REQUIRED_FIELDS if not fields.get(n)]
     if missing:
         raise StackError(f"{where}: missing header fields {', '.join(missing)}")
     try:
+        if not _DATE_RE.fullmatch(fields["Last-Update"]):
+            raise ValueError
         dt.date.fromisoformat(fields["Last-Update"])
     except ValueError:
         raise StackError(
@@ -195,6 +198,14 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
     current: FilePatch | None = None
     hunk: Hunk | None = None
     for number, line in enumerate(diff.splitlines(keepends=True), start=1):
+        if hunk is not None and _complete(hunk) and line[:1] in (b" ", b"-", b"+"):
+            raise StackError(
+                f"{where}: {current.path if current else '?'} hunk "
+                f"{hunk.header}: more lines than its header counts (diff "
+                f"line {number})"
+            )
+        if line.startswith((b"diff --git ", b"@@")) and hunk is not None:
+            _check_counts(hunk, current, where)
         if line.startswith(b"diff --git "):
             parts = line.split()
             path = parts[-1].decode()[2:]
@@ -230,7 +241,32 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
             continue
         else:
             raise StackError(f"{where}: unexpected diff line {number}: {line[:60]!r}")
+    if hunk is not None:
+        _check_counts(hunk, current, where)
     return files
+
+
+def _counts(hunk: Hunk) -> tuple[int, int]:
+    old = sum(op in (b" ", b"-") for op, _ in hunk.lines)
+    new = sum(op in (b" ", b"+") for op, _ in hunk.lines)
+    return old, new
+
+
+def _complete(hunk: Hunk) -> bool:
+    return _counts(hunk) == (hunk.old_len, hunk.new_len)
+
+
+def _check_counts(hunk: Hunk, file: FilePatch | None, where: str) -> None:
+    """A hunk's body must hold exactly the lines its header counts (as git
+    apply requires)."""
+    old, new = _counts(hunk)
+    if (old, new) != (hunk.old_len, hunk.new_len):
+        path = file.path if file is not None else "?"
+        raise StackError(
+            f"{where}: {path} hunk {hunk.header}: the header counts "
+            f"{hunk.old_len} old and {hunk.new_len} new lines, the body has "
+            f"{old} and {new}"
+        )
 
 
 class HunkMismatch(StackError):

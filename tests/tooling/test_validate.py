@@ -56,3 +56,41 @@ def test_a_patch_without_dep3_fields_is_refused(synthetic: Synthetic) -> None:
     patch.write_text(patch.read_text().replace("Forwarded: not-needed\n", ""))
     with pytest.raises(StackError, match="missing header fields Forwarded"):
         load_stack(synthetic.root)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "message"),
+    [
+        ("Forwarded: not-needed\n", "Forwarded:\n", "missing header fields Forwarded"),
+        (
+            "Last-Update: 2026-11-01\n",
+            "Last-Update: 2026W441\n",
+            "Last-Update '2026W441' is not YYYY-MM-DD",
+        ),
+    ],
+)
+def test_a_patch_with_an_empty_field_or_odd_date_is_refused(
+    synthetic: Synthetic, before: str, after: str, message: str
+) -> None:
+    patch = synthetic.root / "patches" / "0001-layer-1.patch"
+    assert before in patch.read_text()
+    patch.write_text(patch.read_text().replace(before, after))
+    with pytest.raises(StackError, match=message):
+        load_stack(synthetic.root)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_hunk_whose_body_and_header_disagree_is_refused(
+    filled: Synthetic, extra: bool
+) -> None:
+    # One context line less, or one more, than the hunk header counts.
+    patch = filled.root / "patches" / "0002-layer-2.patch"
+    lines = patch.read_text().splitlines(keepends=True)
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("@@")) + 1
+    if extra:
+        lines.insert(first, lines[first])
+    else:
+        del lines[first]
+    patch.write_text("".join(lines))
+    with pytest.raises(StackError, match="vllm/model.py hunk @@"):
+        load_stack(filled.root)
