@@ -16,7 +16,7 @@ from k3stack.pin import Pin, load_pin
 from k3stack.refresh import refresh
 from k3stack.series import Stack, load_stack
 from k3stack.upstream import export_checkout, extract_sdist
-from k3stack.worktree import build_tree, read_marker
+from k3stack.worktree import build_tree, current_marker
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TREE = ROOT / ".work" / "tree"
@@ -64,7 +64,7 @@ def cmd_refresh(args: argparse.Namespace) -> None:
 
 def cmd_build(args: argparse.Namespace) -> None:
     stack, pin = load_stack(ROOT), load_pin()
-    marker = read_marker(args.tree)
+    marker = current_marker(stack, args.tree)
     start = time.monotonic()
     wheel = fetch(pin.wheel(), pin.name)
     result = build(stack, pin, args.tree, wheel, args.dist, marker["layers"])
@@ -79,7 +79,7 @@ def cmd_site(args: argparse.Namespace) -> None:
     from k3stack.qualify import install_site, pristine_site
 
     stack, pin = load_stack(ROOT), load_pin()
-    marker = read_marker(args.tree)
+    marker = current_marker(stack, args.tree)
     wheel = fetch(pin.wheel(), pin.name)
     work = ROOT / ".work"
     result = build(stack, pin, args.tree, wheel, work / "site-dist", marker["layers"])

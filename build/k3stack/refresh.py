@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import shutil
+import tempfile
 from pathlib import Path
 
 from k3stack import StackError
 from k3stack.gitutil import dirty_paths, git, git_bytes, is_work_tree
 from k3stack.patchfile import LayerPatch, parse_commit_message, parse_diff
-from k3stack.series import Stack, load_stack
+from k3stack.series import Layer, Stack, load_stack
 from k3stack.worktree import (
     UPSTREAM_TAG,
     digests_of,
@@ -108,6 +110,21 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     ):
         where = f"layer {layer.number} ({layer.name})"
         patch, owned = read_layer(tree, commit, upstream, lower_overlay, where)
+        other = next(
+            (
+                o
+                for o in stack.layers
+                if o is not layer and o.patch.subject == patch.subject
+            ),
+            None,
+        )
+        if other is not None and patch.subject != layer.patch.subject:
+            raise StackError(
+                f"commit {layer.number} on top of upstream is layer {other.number} "
+                f"({other.name}): the commits are in another order than "
+                "patches/series; refused: restore their order (reordering layers "
+                "means editing patches/series and the patch names)"
+            )
         lower_overlay |= set(owned)
         if layer_digest(patch, owned) != applied_digest:
             pending.append((layer, patch, owned, applied_digest))
@@ -129,8 +146,43 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
                 "refused: re-apply and redo the edit"
             )
     today = today or dt.date.today()
+    # Written to a scratch copy first: a result that does not validate (or a
+    # failure half-way) leaves the checkout as it was.
+    with tempfile.TemporaryDirectory(prefix="k3-refresh-") as scratch:
+        for part in ("patches", "overlay"):
+            shutil.copytree(stack.root / part, Path(scratch) / part)
+        _write_back(load_stack(Path(scratch)), pending, today)
+        load_stack(Path(scratch))
+    changed = _write_back(stack, pending, today)
+    for number, commit in enumerate(commits, start=1):
+        git(tree, "tag", "-f", layer_tag(number), commit)
+    # What the tree holds: the layers written back are now on disk as they
+    # are in the tree; the others keep the digest they were applied with (a
+    # change on disk since then is not in the tree, and a later refresh must
+    # not write the tree's older form back over it).
+    written = {layer.number for layer, *_ in pending}
+    on_disk = digests_of(load_stack(stack.root), applied)
+    write_marker(
+        tree,
+        applied,
+        [
+            on_disk[i] if layer.number in written else applied_digests[i]
+            for i, layer in enumerate(stack.layers[:applied])
+        ],
+    )
+    return changed
+
+
+def _write_back(
+    stack: Stack,
+    pending: list[tuple[Layer, LayerPatch, dict[str, bytes], str | None]],
+    today: dt.date,
+) -> list[str]:
+    """Write the pending layers' patches and overlay files into ``stack``'s
+    checkout; one line per changed file."""
     changed: list[str] = []
-    for layer, patch, owned, _ in pending:
+    for pending_layer, patch, owned, _ in pending:
+        layer = stack.layers[pending_layer.number - 1]
         overlay_changes = _write_overlay(stack, layer.patch.overlay, owned)
         changed += overlay_changes
         old = layer.patch_file.read_bytes()
@@ -141,9 +193,6 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         if new != old:
             layer.patch_file.write_bytes(new)
             changed.append(f"patches/{layer.name}: updated")
-    for number, commit in enumerate(commits, start=1):
-        git(tree, "tag", "-f", layer_tag(number), commit)
-    write_marker(tree, applied, digests_of(load_stack(stack.root), applied))
     return changed
 
 

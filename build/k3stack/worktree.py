@@ -65,6 +65,30 @@ def digests_of(stack: Stack, layers: int) -> list[str]:
     return [disk_digest(stack, layer) for layer in stack.upto(layers)]
 
 
+def current_marker(stack: Stack, tree: Path) -> dict:
+    """The marker of ``tree`` if it holds every applied layer as patches/ and
+    overlay/ hold it now; ``StackError`` naming the first that differs."""
+    marker = read_marker(tree)
+    if git(tree, "rev-parse", "HEAD") != marker["head"]:
+        raise StackError(
+            f"{tree} has commits that are not in patches/ yet; refused: "
+            "run `nox -s refresh` first"
+        )
+    applied = marker["layers"]
+    digests = marker.get("digests") or [None] * applied
+    layers = stack.layers[:applied]
+    for layer, digest in zip(layers, digests, strict=False):
+        if disk_digest(stack, layer) != digest:
+            raise StackError(
+                f"{tree} holds layer {layer.number} ({layer.name}) as it was "
+                "applied, not as patches/ and overlay/ hold it now; refused: "
+                "run `nox -s apply` again"
+            )
+    if len(layers) != applied:
+        raise StackError(f"{tree} holds {applied} layers, patches/series fewer")
+    return marker
+
+
 def guard_existing(tree: Path) -> None:
     """Refuse to replace ``tree`` if it holds work the patches do not."""
     if not tree.exists():
@@ -85,10 +109,20 @@ def guard_existing(tree: Path) -> None:
             f"{tree} has commits that are not in patches/ yet; refused: "
             "run `nox -s refresh` first"
         )
+    own = {"refs/heads/main", f"refs/tags/{UPSTREAM_TAG}"}
+    own |= {f"refs/tags/{layer_tag(n)}" for n in range(1, marker["layers"] + 1)}
+    other = sorted(set(git(tree, "for-each-ref", "--format=%(refname)").split()) - own)
+    if other:
+        raise StackError(
+            f"{tree} holds {other[0]} (a stash, branch or tag apply did not make); "
+            "refused: apply it to its layer or drop it first"
+        )
 
 
 def commit_all(tree: Path, message: str, date: str) -> None:
-    git(tree, "add", "-A")
+    # --force: every file of the sdist and of each layer, whatever the sdist's
+    # .gitignore says (its ignored files are part of the release too).
+    git(tree, "add", "-A", "--force")
     git(
         tree,
         "commit",

@@ -12,6 +12,7 @@ from conftest import UPSTREAM_FILES, Synthetic
 from k3stack import StackError
 from k3stack.gitutil import git
 from k3stack.refresh import refresh
+from k3stack.worktree import current_marker
 
 
 def snapshot(syn: Synthetic) -> dict[str, bytes]:
@@ -95,6 +96,36 @@ def test_apply_refuses_a_tree_with_commits_not_yet_refreshed(filled: Synthetic) 
     assert git(filled.tree, "rev-parse", "HEAD") == head
 
 
+@pytest.mark.parametrize("kind", ["stash", "branch"])
+def test_apply_refuses_a_tree_with_a_stash_or_branch_and_keeps_it(
+    filled: Synthetic, kind: str
+) -> None:
+    (filled.tree / "vllm/envs.py").write_text("work in progress\n")
+    if kind == "stash":
+        git(filled.tree, "stash", "-q")
+    else:
+        git(filled.tree, "checkout", "-q", "-b", "experiment")
+        git(filled.tree, "commit", "-qam", "experiment")
+        git(filled.tree, "checkout", "-q", "main")
+    with pytest.raises(StackError, match="stash, branch or tag"):
+        filled.apply()
+    ref = "refs/stash" if kind == "stash" else "refs/heads/experiment"
+    assert git(filled.tree, "rev-parse", "--verify", "-q", ref)
+
+
+def test_files_the_sdist_ignores_are_committed_and_guarded(
+    filled: Synthetic,
+) -> None:
+    # The sdist's own .gitignore must not hide its files from the pristine
+    # commit (or their edits from apply's guard).
+    ignored = filled.tree / "vllm/_version.py"
+    assert git(filled.tree, "ls-files", "vllm/_version.py") == "vllm/_version.py"
+    ignored.write_text("edited\n")
+    with pytest.raises(StackError, match="uncommitted edits"):
+        filled.apply()
+    assert ignored.read_text() == "edited\n"
+
+
 def test_refresh_refuses_uncommitted_edits_and_keeps_them(filled: Synthetic) -> None:
     filled.apply()
     (filled.tree / "vllm/model.py").write_text("half-done\n")
@@ -160,6 +191,42 @@ def test_refresh_of_another_layer_keeps_a_refresh_made_since_apply(
     assert "overlay/vllm/logits.py: updated" in changed
     assert not [c for c in changed if "layer-1" in c or "remote" in c]
     assert (filled.root / "overlay/vllm/remote/__init__.py").read_text() == "PORT = 2\n"
+
+
+def test_a_second_refresh_keeps_a_change_committed_to_the_checkout_since_apply(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    (filled.root / "overlay/vllm/logits.py").write_text("TOPK = 5\n")
+    git(filled.root, "commit", "-qam", "edited in the checkout")
+    assert refresh(filled.stack(), filled.tree) == []
+    assert refresh(filled.stack(), filled.tree) == []
+    assert (filled.root / "overlay/vllm/logits.py").read_text() == "TOPK = 5\n"
+
+
+def test_build_input_is_refused_when_the_checkout_changed_since_apply(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    assert current_marker(filled.stack(), filled.tree)["layers"] == 3
+    (filled.root / "overlay/vllm/logits.py").write_text("TOPK = 5\n")
+    git(filled.root, "commit", "-qam", "edited in the checkout")
+    with pytest.raises(StackError, match="layer 2 .* as it was applied"):
+        current_marker(filled.stack(), filled.tree)
+
+
+def test_refresh_refuses_reordered_layer_commits_and_writes_nothing(
+    filled: Synthetic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    monkeypatch.setenv("GIT_SEQUENCE_EDITOR", "sed -i -e '2{h;d}' -e '3G'")
+    git(filled.tree, "rebase", "-q", "-i", "upstream")
+    log = git(filled.tree, "log", "--format=%s", "--reverse", "upstream..")
+    assert log.splitlines() == ["Layer 1", "Layer 3", "Layer 2"]
+    with pytest.raises(StackError, match="commit 2 .* is layer 3 .* another order"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
 
 
 def test_refresh_refuses_to_overwrite_a_layer_changed_since_apply(
