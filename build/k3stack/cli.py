@@ -14,7 +14,7 @@ from k3stack.artifacts import build, docker_build
 from k3stack.fetch import fetch
 from k3stack.pin import Pin, load_pin
 from k3stack.refresh import refresh
-from k3stack.series import Stack, load_stack
+from k3stack.series import Stack, check_suites, load_stack
 from k3stack.upstream import export_checkout, extract_sdist
 from k3stack.worktree import build_tree, current_marker
 
@@ -90,7 +90,10 @@ def cmd_site(args: argparse.Namespace) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> None:
     stack = load_stack(ROOT)
-    print(f"validate: {len(stack.layers)} layers, series and overlay ownership ok")
+    check_suites(stack)
+    print(
+        f"validate: {len(stack.layers)} layers, series, overlay ownership and suites ok"
+    )
 
 
 def cmd_rebase(args: argparse.Namespace) -> None:

@@ -31,7 +31,7 @@ from k3stack.artifacts import build
 from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
 from k3stack.pin import Pin
-from k3stack.series import Layer, Stack
+from k3stack.series import Layer, Stack, check_suites
 from k3stack.upstream import extract_sdist
 from k3stack.worktree import UPSTREAM_TAG, build_tree, layer_tag
 
@@ -349,6 +349,7 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    check_suites(stack)
     print(f"qualify: validate ok ({len(stack.layers)} layers)", flush=True)
     targets = [stack.layer(args.layer)] if args.layer else stack.layers
     rows = [Row("tooling", applies="n/a", imports="n/a", upstream="n/a")]

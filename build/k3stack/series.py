@@ -122,3 +122,12 @@ def load_stack(root: Path) -> Stack:
             + (" ..." if len(unclaimed) > 5 else "")
         )
     return Stack(root, layers)
+
+
+def check_suites(stack: Stack) -> None:
+    """Every ``Suite`` path of every layer exists in the checkout (qualify
+    runs only these; a missing one would pass unseen)."""
+    for layer in stack.layers:
+        for path in layer.patch.suite:
+            if not (stack.root / path).exists():
+                raise StackError(f"{layer.name}: Suite path {path} does not exist")

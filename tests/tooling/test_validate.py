@@ -10,7 +10,7 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
-from k3stack.series import load_stack
+from k3stack.series import check_suites, load_stack
 
 
 def claim(syn: Synthetic, n: int, rel: str) -> None:
@@ -94,3 +94,15 @@ def test_a_hunk_whose_body_and_header_disagree_is_refused(
     patch.write_text("".join(lines))
     with pytest.raises(StackError, match="vllm/model.py hunk @@"):
         load_stack(filled.root)
+
+
+def test_a_suite_path_that_does_not_exist_is_refused(synthetic: Synthetic) -> None:
+    for n in (1, 2, 3):
+        (synthetic.root / "tests" / f"layer{n}").mkdir(parents=True)
+    check_suites(load_stack(synthetic.root))
+    patch = synthetic.root / "patches" / "0002-layer-2.patch"
+    text = patch.read_text()
+    assert "Suite:" in text
+    patch.write_text(text.replace("Suite:", "Suite:\n tests/no_such_suite.py", 1))
+    with pytest.raises(StackError, match="Suite path tests/no_such_suite.py"):
+        check_suites(load_stack(synthetic.root))
