@@ -3,13 +3,16 @@
 """The production engine on tiny checkpoints in the upstream draft format."""
 
 import json
+import logging
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from k3_layer1_server import free_tcp_port
+from safetensors.torch import load_file, save_file
 
-from vllm.entrypoints.k3_dspark_standalone import build_engine, parse_args
+from vllm.entrypoints.k3_dspark_standalone import build_engine, parse_args, run
 from vllm.k3_draft.engine import DraftLimits, ProposeBatch
 from vllm.k3_draft.production_engine import (
     CheckpointError,
@@ -102,6 +105,7 @@ def write_checkpoints(root: Path, method: str, **config_overrides) -> tuple[Path
         "intermediate_size": 2 * model.hidden_size,
         "vocab_size": model.vocab_size,
         "target_hidden_size": TARGET_HIDDEN,
+        "head_dim": model.hidden_size // model.num_heads,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
         "dflash_config": {
@@ -176,6 +180,20 @@ def test_production_engine_matches_the_same_weights_in_the_reference(tmp_path, m
         ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "RoPE scaling"),
         ({"architectures": ["LlamaForCausalLM"]}, "no supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"partial_rotary_factor": 0.5}, "partial rotary"),
+        (
+            {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial rotary",
+        ),
+        (
+            {"dflash_config": {"sample_from_anchor": True, "target_layer_ids": [0]}},
+            "sample_from_anchor",
+        ),
+        ({"dspark_draft_topk": 1}, "dspark_draft_topk"),
+        # Config classes default these differently: the checkpoint must say.
+        ({"rope_theta": None}, "no rope_theta"),
+        ({"head_dim": None}, "no head_dim"),
     ],
 )
 def test_unsupported_checkpoints_are_refused_with_the_reason(
@@ -184,6 +202,32 @@ def test_unsupported_checkpoints_are_refused_with_the_reason(
     draft, _ = write_checkpoints(tmp_path, "dflash", **override)
     with pytest.raises(CheckpointError, match=reason):
         DraftCheckpoint.from_dir(draft)
+
+
+@pytest.mark.parametrize(
+    "extra", ["layers.0.self_attn.q_proj.bias", "layers.9.mlp.up_proj.weight", "x.y"]
+)
+def test_a_draft_tensor_the_engine_cannot_place_is_refused(tmp_path, extra):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors[extra] = torch.ones(4)
+    save_file(tensors, str(draft / "model.safetensors"))
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match="cannot place"):
+        engine.load()
+
+
+def test_index_file_linked_from_outside_the_root_is_refused(tmp_path):
+    _, target = write_checkpoints(tmp_path, "dflash")
+    outside = tmp_path / "elsewhere.json"
+    index = target / "model.safetensors.index.json"
+    outside.write_bytes(index.read_bytes())
+    index.unlink()
+    index.symlink_to(outside)
+    with pytest.raises(CheckpointError, match="escapes"):
+        SafetensorsCheckpoint(target)
 
 
 def test_target_index_entry_outside_the_root_is_refused(tmp_path):
@@ -253,3 +297,32 @@ def test_cli_builds_the_production_engine(tmp_path):
     )
     engine = build_engine(args)
     assert engine.spec.method == "dspark" and engine.spec.context_width == 48
+
+
+def test_cli_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, caplog):
+    draft, target = write_checkpoints(tmp_path, "dflash", attention_bias=True)
+    args = parse_args(
+        [
+            "--engine",
+            "production",
+            "--device",
+            "cpu",
+            "--window-size",
+            "64",
+            "--draft-model",
+            str(draft),
+            "--target-model",
+            str(target),
+            "--status-port",
+            str(free_tcp_port()),
+            "--address",
+            "inproc://never",
+        ]
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    assert (
+        "Refusing to serve: unsupported draft checkpoint: attention biases"
+        in caplog.text
+    )
+    assert "Traceback" not in caplog.text

@@ -59,8 +59,8 @@ TARGET_EMBED_NAMES = (
     "language_model.model.embed_tokens.weight",
 )
 TARGET_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
-# Upstream's default for Qwen3 drafts (set_default_rope_theta).
-_DEFAULT_ROPE_THETA = 1_000_000.0
+# Tensors upstream's DFlash loader skips (the target-to-draft vocabulary map).
+_SKIPPED_WEIGHTS = ("t2d",)
 _LAYER_WEIGHTS = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -113,6 +113,7 @@ class SafetensorsCheckpoint:
         self.root = Path(root).resolve(strict=True)
         index = self.root / SAFETENSORS_INDEX
         if index.is_file():
+            index = confined_path(self.root, SAFETENSORS_INDEX)
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -193,6 +194,20 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         reasons.append("RoPE scaling")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        reasons.append("partial rotary embeddings")
+    if config.get("hidden_act", "silu") != "silu":
+        reasons.append(f"hidden_act {config.get('hidden_act')!r}")
+    if dflash.get("sample_from_anchor"):
+        reasons.append("DFlash sample_from_anchor")
+    if config.get("dspark_draft_topk"):
+        reasons.append("dspark_draft_topk")
+    # Defaults differ between config classes: the checkpoint must say.
+    if rope.get("rope_theta") is None and config.get("rope_theta") is None:
+        reasons.append("no rope_theta")
+    if not config.get("head_dim"):
+        reasons.append("no head_dim")
     if (
         dflash.get("use_aux_hidden_state", config.get("use_aux_hidden_state", True))
         is False
@@ -262,13 +277,11 @@ class DraftCheckpoint:
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
+            head_dim=config["head_dim"],
             intermediate_size=config["intermediate_size"],
             mask_token_id=get_parallel_drafting_token_id(hf_config),
             markov_rank=config.get("markov_rank", 0) if method == "dspark" else 0,
-            rope_theta=float(
-                rope.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA))
-            ),
+            rope_theta=float(rope.get("rope_theta") or config["rope_theta"]),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         )
         return cls(path, architecture, shape, tuple(aux_layers), target_hidden)
@@ -332,9 +345,14 @@ class ProductionEngine(TorchDraftEngine):
         checkpoint = SafetensorsCheckpoint(self.draft.root)
         per_layer: dict[str, list[torch.Tensor | None]] = {}
         weights: dict[str, torch.Tensor] = {}
+        unknown = []
         for name in checkpoint.names():
             mapped = _engine_name(name, shape.num_layers)
-            if mapped is None or mapped[0] not in expected:
+            if mapped is None:
+                if not any(part in name for part in _SKIPPED_WEIGHTS):
+                    unknown.append(name)
+                continue
+            if mapped[0] not in expected:
                 continue
             engine_name, layer = mapped
             if layer < 0:
@@ -342,6 +360,13 @@ class ProductionEngine(TorchDraftEngine):
             else:
                 slots = per_layer.setdefault(engine_name, [None] * shape.num_layers)
                 slots[layer] = checkpoint.load(name)
+        if unknown:
+            # Upstream's loader refuses them too: dropping one (a bias, a
+            # layer past num_hidden_layers) would change the draft silently.
+            raise CheckpointError(
+                f"the draft checkpoint has {len(unknown)} tensors this engine "
+                f"cannot place, e.g. {sorted(unknown)[:3]}"
+            )
         for engine_name, tensors in per_layer.items():
             if any(t is None for t in tensors):
                 raise CheckpointError(f"the draft misses {engine_name} of some layers")
