@@ -336,7 +336,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         # Long-lived start-up objects need no further cyclic GC passes.
         gc.collect()
         gc.freeze()
-    except MemoryError as exc:
+    except (MemoryError, ValueError) as exc:
+        # A configuration that cannot fit, or a checkpoint or configuration
+        # the engine refuses (CheckpointError and the other ValueErrors).
         logger.error("Refusing to serve: %s", exc)
         status.stop()
         return 1
