@@ -205,3 +205,28 @@ def test_cuda_graph_replay_matches_eager(method):
         for k in (1, 4):
             a, b = eager.propose(batch(*args, k=k)), graphed.propose(batch(*args, k=k))
             torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_eager_start_up_holds_the_largest_querys_working_memory(method):
+    # Large enough that a query's working memory (the gathered window K/V of
+    # every row, per layer) is tens of MiB: the start-up check after
+    # capture_cuda_graphs must already see it without graphs.
+    limits = DraftLimits(16, 16, 4, 64, 8192, 16, 2048, 4096)
+    model = ReferenceModelConfig(method=method, hidden_size=256, num_heads=8)
+    engine = ReferenceEngine(limits, model, torch.device("cuda"))
+    engine.load()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    assert engine.capture_cuda_graphs() == []
+    assert torch.cuda.max_memory_allocated() - before >= 16 * 2**20
+    warmed = torch.cuda.memory_reserved()
+    n = limits.max_batch_size
+    slots = list(range(n))
+    empty = torch.empty(0, model.context_width).bfloat16()
+    engine.propose(batch(slots, [0] * n, [4000] * n, [0] * n, empty, k=4))
+    # The largest query again: at most a small-pool segment more.
+    assert torch.cuda.memory_reserved() - warmed <= 2 * 2**20

@@ -191,7 +191,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--min-free-memory-gib",
         type=_positive_float,
         default=1.0,
-        help="free device memory required after CUDA graph capture",
+        help="free device memory required after CUDA graph capture (or, "
+        "without graphs, after the largest query ran once)",
     )
 
     prod = parser.add_argument_group("production engine")
@@ -314,8 +315,8 @@ def check_free_after_capture(device: torch.device, min_free_gib: float) -> None:
     free = torch.cuda.mem_get_info(device)[0]
     if free < min_free_gib * GiB:
         raise MemoryError(
-            f"only {free / GiB:.3f} GiB free on {device} after CUDA graph "
-            f"capture, below --min-free-memory-gib {min_free_gib}"
+            f"only {free / GiB:.3f} GiB free on {device} after the largest "
+            f"query's warm-up, below --min-free-memory-gib {min_free_gib}"
         )
 
 

@@ -250,7 +250,9 @@ class DraftEngine(abc.ABC):
     @abc.abstractmethod
     def capture_cuda_graphs(self) -> list[tuple[int, int]]:
         """Capture one graph per accepted (batch, depth) shape; returns the
-        captured shapes (empty when graphs are off)."""
+        captured shapes (empty when graphs are off). Either way, afterwards
+        the device allocator holds the working memory of the largest query,
+        so that the free-memory check after it sees what serving needs."""
 
     @abc.abstractmethod
     def propose(self, batch: ProposeBatch) -> ProposeOutput:

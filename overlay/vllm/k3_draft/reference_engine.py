@@ -281,6 +281,13 @@ class TorchDraftEngine(DraftEngine):
 
     def capture_cuda_graphs(self) -> list[tuple[int, int]]:
         if not self.enable_cuda_graph:
+            if self.device.type == "cuda":
+                # Eager: run the largest query once (no context: padding).
+                self._query_in[3].fill_(_NO_CONTEXT)
+                self._query(
+                    self.limits.max_batch_size, self.limits.max_speculative_tokens
+                )
+                torch.cuda.synchronize(self.device)
             return []
         pool = torch.cuda.graph_pool_handle()
         shapes = [
