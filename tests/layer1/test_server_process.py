@@ -2,8 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The draft server as a real process behind its ZeroMQ transport."""
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,3 +124,74 @@ def test_transport_failure_ends_serve_with_the_error():
         transport.serve(threading.Event(), lambda: served.append(True))
     transport.close()
     assert served == [True]
+
+
+class _LargeReplyServer:
+    """What the transport sees of a draft server whose replies carry a large
+    zero-copy frame (as a PROPOSE with draft logits does), after 0.5 s of
+    engine time."""
+
+    limits = SimpleNamespace(max_context_tokens=8)
+    engine = SimpleNamespace(spec=SimpleNamespace(context_width=8))
+    max_header_bytes = 1 << 16
+    frame = bytearray(64 << 20)
+
+    def handle(self, frames):
+        time.sleep(0.5)
+        return [b'{"ok": true}', memoryview(self.frame)]
+
+
+_STALLING_CLIENT = """
+import sys, time, zmq
+socket = zmq.Context().socket(zmq.REQ)
+socket.connect(sys.argv[1])
+socket.send(b"request")
+time.sleep(0.3)  # ZeroMQ's I/O thread sends it
+print("sent", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_client_that_stops_taking_its_reply_does_not_stall_the_server():
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    transport = RpcTransport(
+        _LargeReplyServer(), address, None, reply_send_timeout_s=1.0
+    )
+    transport.bind()
+    stop = threading.Event()
+    served = threading.Thread(target=transport.serve, args=(stop, lambda: None))
+    served.start()
+    stalled = subprocess.Popen(
+        [sys.executable, "-c", _STALLING_CLIENT, address],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    context = zmq.Context()
+    try:
+        assert stalled.stdout is not None and stalled.stdout.readline() == "sent\n"
+        # Stopped before its reply (0.5 s of engine time) is sent.
+        os.kill(stalled.pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        answered = False
+        # A healthy client: its first request may go with the dropped
+        # connections; like the verifier's client it renews and retries.
+        for _ in range(2):
+            client = context.socket(zmq.REQ)
+            client.setsockopt(zmq.LINGER, 0)
+            client.setsockopt(zmq.RCVTIMEO, 5000)
+            client.connect(address)
+            client.send(b"request")
+            with contextlib.suppress(zmq.Again):
+                answered = client.recv_multipart()[0] == b'{"ok": true}'
+            client.close()
+            if answered:
+                break
+        assert answered
+    finally:
+        os.kill(stalled.pid, signal.SIGKILL)
+        stalled.wait()
+        stop.set()
+        served.join(10)
+        transport.close()
+        context.term()
+    assert not served.is_alive()

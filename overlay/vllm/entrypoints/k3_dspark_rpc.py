@@ -6,25 +6,39 @@ Wire protocol: ``vllm.k3_draft.protocol`` (version 2). Frames are received
 without copies (``copy=False``) and handed to ``DraftServer.handle``, which
 validates everything and never raises; tensor frames of the reply are sent
 without copies and tracked, so the next request cannot touch the buffers they
-alias before ZeroMQ has sent them. A ZeroMQ failure ends ``serve`` with the
-error: the process then stops instead of reporting ready over a dead socket.
+alias before ZeroMQ has sent them. A peer that stops taking its reply for
+``reply_send_timeout_s`` has its connection dropped with the socket, which is
+bound again (the other clients' requests in flight are lost with it: their
+clients time out and fail closed), so one stalled verifier cannot stop the
+server from answering or from shutting down. A ZeroMQ failure ends ``serve``
+with the error: the process then stops instead of reporting ready over a dead
+socket.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from vllm.k3_draft.log import init_logger
-from vllm.k3_draft.security import CurveConfig, check_bind, secure_socket
+from vllm.k3_draft.security import (
+    CurveConfig,
+    check_bind,
+    make_curve_server,
+    secure_socket,
+)
 from vllm.k3_draft.server import DraftServer
 
 logger = init_logger(__name__)
 
 _STOP_CHECK_MS = 100
+# How long a peer may take to receive its reply before its connection is
+# dropped (a multi-megabyte logits reply takes milliseconds on loopback).
+_REPLY_SEND_TIMEOUT_S = 10.0
 # Bytes of a message part beyond which ZeroMQ drops the peer's connection.
 _FRAME_SLACK_BYTES = 1 << 20
 
@@ -38,11 +52,13 @@ class RpcTransport:
         address: str,
         curve: CurveConfig | None,
         allow_unsafe_remote_rpc: bool = False,
+        reply_send_timeout_s: float = _REPLY_SEND_TIMEOUT_S,
     ) -> None:
         check_bind(address, curve, allow_unsafe_remote_rpc)
         self.server = server
         self.address = address
         self.curve = curve
+        self.reply_send_timeout_s = reply_send_timeout_s
         self.context = zmq.Context()
         self.socket: zmq.Socket | None = None
         self.authenticator: ThreadAuthenticator | None = None
@@ -56,12 +72,7 @@ class RpcTransport:
         return max(rows, self.server.max_header_bytes) + _FRAME_SLACK_BYTES
 
     def bind(self) -> None:
-        socket = self.context.socket(zmq.REP)
-        socket.setsockopt(zmq.LINGER, 0)
-        # A blocking receive that wakes up to look at the stop flag: cheaper
-        # per message than polling.
-        socket.setsockopt(zmq.RCVTIMEO, _STOP_CHECK_MS)
-        socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes())
+        socket = self._socket()
         self.authenticator = secure_socket(self.context, socket, self.curve)
         socket.bind(self.address)
         self.socket = socket
@@ -70,6 +81,55 @@ class RpcTransport:
             socket.getsockopt_string(zmq.LAST_ENDPOINT),
             " (CURVE)" if self.curve else "",
         )
+
+    def _socket(self) -> zmq.Socket:
+        socket = self.context.socket(zmq.REP)
+        socket.setsockopt(zmq.LINGER, 0)
+        # A blocking receive that wakes up to look at the stop flag: cheaper
+        # per message than polling.
+        socket.setsockopt(zmq.RCVTIMEO, _STOP_CHECK_MS)
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes())
+        return socket
+
+    def _sent(self, tracker: zmq.MessageTracker, stop: threading.Event) -> bool:
+        """Wait for the tracked reply to leave; False if the peer did not take
+        it within the timeout or ``stop`` was set."""
+        deadline = time.monotonic() + self.reply_send_timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                tracker.wait(_STOP_CHECK_MS / 1e3)
+                return True
+            except zmq.NotDone:
+                continue
+        return tracker.done
+
+    def _rebind(self, tracker: zmq.MessageTracker) -> None:
+        """Drop every connection with the socket (the stalled reply with
+        them), wait until ZeroMQ released the reply's buffers, bind again."""
+        assert self.socket is not None
+        logger.warning(
+            "A draft client did not take its reply within %.0f s; dropping the "
+            "connections of %s and binding again",
+            self.reply_send_timeout_s,
+            self.address,
+        )
+        self.socket.close(linger=0)
+        tracker.wait(self.reply_send_timeout_s)
+        socket = self._socket()
+        if self.curve is not None:
+            make_curve_server(socket, self.curve)
+        # The closed socket releases its endpoint in ZeroMQ's I/O thread.
+        deadline = time.monotonic() + self.reply_send_timeout_s
+        while True:
+            try:
+                socket.bind(self.address)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    socket.close(linger=0)
+                    raise
+                time.sleep(_STOP_CHECK_MS / 1e4)
+        self.socket = socket
 
     def serve(self, stop: threading.Event, on_serving: Callable[[], None]) -> None:
         """Answer requests until ``stop`` is set; ZeroMQ errors propagate."""
@@ -84,7 +144,14 @@ class RpcTransport:
             except zmq.Again:
                 continue
             if tracker is not None:
-                tracker.wait()
+                if not self._sent(tracker, stop):
+                    if stop.is_set():
+                        break
+                    # The request just received goes with the old socket.
+                    self._rebind(tracker)
+                    socket = self.socket
+                    tracker = None
+                    continue
                 tracker = None
             reply = handle(frames)
             if len(reply) == 1:

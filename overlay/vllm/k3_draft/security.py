@@ -154,11 +154,17 @@ def secure_socket(
     authenticator; returns it (stop it at shutdown) or None without keys."""
     if curve is None:
         return None
-    public, secret = curve.load_server_keys()
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     authenticator.configure_curve(domain="*", location=curve.authorized_keys_dir)
+    make_curve_server(socket, curve)
+    return authenticator
+
+
+def make_curve_server(socket: zmq.Socket, curve: CurveConfig) -> None:
+    """Give ``socket`` (before bind) the server's CURVE keys; the context's
+    running authenticator (``secure_socket``) checks its clients."""
+    public, secret = curve.load_server_keys()
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_server = True
-    return authenticator
