@@ -111,6 +111,21 @@ def test_address_must_be_a_zeromq_endpoint():
         DraftClient("http://127.0.0.1:5555", timeout_ms=100)
 
 
+@pytest.mark.parametrize(
+    "address",
+    ["tcp://127.0.0.1", "tcp://127.0.0.1:99999", "tcp://:5555", "tcp://h:0"],
+)
+def test_tcp_address_needs_a_host_and_a_port(address):
+    with pytest.raises(ValueError, match="not tcp://HOST:PORT"):
+        DraftClient(address, timeout_ms=100)
+
+
+@pytest.mark.parametrize("timeout_ms", [0, 2**31])
+def test_timeout_must_fit_a_zeromq_option(timeout_ms):
+    with pytest.raises(ValueError, match="RPC timeout"):
+        DraftClient("tcp://127.0.0.1:5555", timeout_ms=timeout_ms)
+
+
 def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):
     from k3_layer1_server import free_tcp_port
 

@@ -36,6 +36,8 @@ logger = init_logger(__name__)
 # Largest reply header accepted (a PROPOSE reply lists R x K token ids).
 MAX_REPLY_HEADER_BYTES = 16 << 20
 _TRANSPORTS = ("tcp", "ipc", "inproc")
+# ZeroMQ socket timeouts are C ints (milliseconds).
+_MAX_TIMEOUT_MS = 2**31 - 1
 
 
 class TransportError(RuntimeError):
@@ -170,13 +172,26 @@ class DraftClient:
                 f"draft server address {address!r} is not a ZeroMQ "
                 "tcp://, ipc:// or inproc:// address"
             )
-        if timeout_ms < 1:
-            raise ValueError(f"RPC timeout {timeout_ms} ms must be at least 1")
+        if transport == "tcp":
+            host, sep, port = endpoint.rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(
+                    f"draft server address {address!r} is not tcp://HOST:PORT "
+                    "with a port in 1..65535"
+                )
+        if not 1 <= timeout_ms <= _MAX_TIMEOUT_MS:
+            raise ValueError(
+                f"RPC timeout {timeout_ms} ms must be in 1..{_MAX_TIMEOUT_MS}"
+            )
         self.address = address
         self.timeout_ms = timeout_ms
         self.curve = curve
         self._context = zmq.Context()
-        self._socket = self._connect()
+        try:
+            self._socket = self._connect()
+        except zmq.ZMQError as exc:
+            self._context.term()
+            raise ValueError(f"cannot connect to {address!r}: {exc}") from None
 
     def _connect(self) -> zmq.Socket:
         socket = self._context.socket(zmq.REQ)
