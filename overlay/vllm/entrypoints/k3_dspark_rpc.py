@@ -103,7 +103,7 @@ class RpcTransport:
                 continue
         return tracker.done
 
-    def _rebind(self, tracker: zmq.MessageTracker) -> None:
+    def _rebind(self, tracker: zmq.MessageTracker) -> zmq.Socket:
         """Drop every connection with the socket (the stalled reply with
         them), wait until ZeroMQ released the reply's buffers, bind again."""
         assert self.socket is not None
@@ -130,6 +130,7 @@ class RpcTransport:
                     raise
                 time.sleep(_STOP_CHECK_MS / 1e4)
         self.socket = socket
+        return socket
 
     def serve(self, stop: threading.Event, on_serving: Callable[[], None]) -> None:
         """Answer requests until ``stop`` is set; ZeroMQ errors propagate."""
@@ -148,8 +149,7 @@ class RpcTransport:
                     if stop.is_set():
                         break
                     # The request just received goes with the old socket.
-                    self._rebind(tracker)
-                    socket = self.socket
+                    socket = self._rebind(tracker)
                     tracker = None
                     continue
                 tracker = None
