@@ -279,9 +279,9 @@ def test_production_memory_plan_counts_gqa_kv_heads(tmp_path):
     assert engine.memory_plan().kv_bytes == 2 * 2 * blocks * 16 * 1 * 8 * 4
 
 
-def test_cli_builds_the_production_engine(tmp_path):
-    draft, target = write_checkpoints(tmp_path, "dspark")
-    args = parse_args(
+def production_args(draft: Path, target: Path, *extra: str):
+    """Parsed CLI arguments of a CPU production engine on these checkpoints."""
+    return parse_args(
         [
             "--engine",
             "production",
@@ -293,31 +293,26 @@ def test_cli_builds_the_production_engine(tmp_path):
             str(draft),
             "--target-model",
             str(target),
+            *extra,
         ]
     )
-    engine = build_engine(args)
+
+
+def test_cli_builds_the_production_engine(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dspark")
+    engine = build_engine(production_args(draft, target))
     assert engine.spec.method == "dspark" and engine.spec.context_width == 48
 
 
 def test_cli_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, caplog):
     draft, target = write_checkpoints(tmp_path, "dflash", attention_bias=True)
-    args = parse_args(
-        [
-            "--engine",
-            "production",
-            "--device",
-            "cpu",
-            "--window-size",
-            "64",
-            "--draft-model",
-            str(draft),
-            "--target-model",
-            str(target),
-            "--status-port",
-            str(free_tcp_port()),
-            "--address",
-            "inproc://never",
-        ]
+    args = production_args(
+        draft,
+        target,
+        "--status-port",
+        str(free_tcp_port()),
+        "--address",
+        "inproc://never",
     )
     with caplog.at_level(logging.ERROR):
         assert run(args, threading.Event()) == 1
