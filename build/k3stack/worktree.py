@@ -65,15 +65,22 @@ def digests_of(stack: Stack, layers: int) -> list[str]:
     return [disk_digest(stack, layer) for layer in stack.upto(layers)]
 
 
-def current_marker(stack: Stack, tree: Path) -> dict:
-    """The marker of ``tree`` if it holds every applied layer as patches/ and
-    overlay/ hold it now; ``StackError`` naming the first that differs."""
+def refreshed_marker(tree: Path) -> dict:
+    """The marker of ``tree``; ``StackError`` if its HEAD has commits that
+    refresh has not taken into patches/ yet."""
     marker = read_marker(tree)
     if git(tree, "rev-parse", "HEAD") != marker["head"]:
         raise StackError(
             f"{tree} has commits that are not in patches/ yet; refused: "
             "run `nox -s refresh` first"
         )
+    return marker
+
+
+def current_marker(stack: Stack, tree: Path) -> dict:
+    """The marker of ``tree`` if it holds every applied layer as patches/ and
+    overlay/ hold it now; ``StackError`` naming the first that differs."""
+    marker = refreshed_marker(tree)
     applied = marker["layers"]
     digests = marker.get("digests") or [None] * applied
     layers = stack.layers[:applied]
@@ -103,12 +110,7 @@ def guard_existing(tree: Path) -> None:
             f"{tree} has uncommitted edits ({len(dirty)} paths, e.g. {dirty[0]}); "
             "refused: commit them into their layer and run `nox -s refresh`"
         )
-    marker = read_marker(tree)
-    if git(tree, "rev-parse", "HEAD") != marker["head"]:
-        raise StackError(
-            f"{tree} has commits that are not in patches/ yet; refused: "
-            "run `nox -s refresh` first"
-        )
+    marker = refreshed_marker(tree)
     own = {"refs/heads/main", f"refs/tags/{UPSTREAM_TAG}"}
     own |= {f"refs/tags/{layer_tag(n)}" for n in range(1, marker["layers"] + 1)}
     other = sorted(set(git(tree, "for-each-ref", "--format=%(refname)").split()) - own)
