@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import io
 import sys
@@ -187,7 +188,9 @@ def filled(synthetic: Synthetic) -> Synthetic:
         "def step_20():\n    return 2000\n",
     )
     synthetic.amend(2, {"vllm/model.py": model, "vllm/logits.py": "TOPK = 64\n"})
-    refresh(synthetic.stack(), synthetic.tree)
+    # A fixed date: a later refresh's Last-Update bump must not depend on
+    # the day the tests run.
+    refresh(synthetic.stack(), synthetic.tree, today=dt.date(2026, 11, 2))
     git(synthetic.root, "add", "-A")
     git(synthetic.root, "commit", "-q", "-m", "fill layers")
     return synthetic
