@@ -3,9 +3,11 @@
 """CLI validation at parse time and the start-up memory checks."""
 
 import logging
+import socket
 import threading
 
 import pytest
+import zmq
 import zmq.auth
 from k3_layer1_server import free_tcp_port
 
@@ -151,3 +153,37 @@ def test_server_that_cannot_fit_exits_before_serving(caplog):
     with caplog.at_level(logging.ERROR):
         assert run(args, threading.Event()) == 1
     assert "Refusing to serve" in caplog.text
+
+
+def test_status_port_in_use_is_refused_in_one_line(caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = parse_args(BASE + ["--status-port", str(port)])
+        with caplog.at_level(logging.ERROR):
+            assert run(args, threading.Event()) == 1
+    assert f"Refusing to serve: cannot serve status on 127.0.0.1 port {port}" in (
+        caplog.text
+    )
+    assert "Traceback" not in caplog.text
+
+
+def test_rpc_address_in_use_is_refused_in_one_line(caplog):
+    context = zmq.Context()
+    taken = context.socket(zmq.REP)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    args = parse_args(
+        BASE + ["--status-port", str(free_tcp_port()), "--address", address]
+    )
+    try:
+        with caplog.at_level(logging.ERROR):
+            assert run(args, threading.Event()) == 1
+    finally:
+        taken.close(linger=0)
+        context.term()
+    assert f"Refusing to serve: cannot bind {address}: Address already in use" in (
+        caplog.text
+    )
+    assert "Traceback" not in caplog.text

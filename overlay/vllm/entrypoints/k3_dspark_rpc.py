@@ -73,8 +73,13 @@ class RpcTransport:
 
     def bind(self) -> None:
         socket = self._socket()
-        self.authenticator = secure_socket(self.context, socket, self.curve)
-        socket.bind(self.address)
+        try:
+            self.authenticator = secure_socket(self.context, socket, self.curve)
+            socket.bind(self.address)
+        except BaseException:
+            # An open socket would keep close()'s context.term() waiting.
+            socket.close(linger=0)
+            raise
         self.socket = socket
         logger.info(
             "Draft RPC serving on %s%s",

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+import zmq
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft.engine import (
@@ -323,7 +324,16 @@ def check_free_after_capture(device: torch.device, min_free_gib: float) -> None:
 def run(args: argparse.Namespace, stop: threading.Event) -> int:
     """Serve until ``stop`` is set; returns the process exit status."""
     state = StatusState()
-    status = StatusServer(state, args.status_host, args.status_port)
+    try:
+        status = StatusServer(state, args.status_host, args.status_port)
+    except OSError as exc:
+        logger.error(
+            "Refusing to serve: cannot serve status on %s port %d: %s",
+            args.status_host,
+            args.status_port,
+            exc,
+        )
+        return 1
     status.start()
     warn_if_unsafe(args.address, args.curve)
     try:
@@ -349,6 +359,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
     )
     try:
         transport.bind()
+    except zmq.ZMQError as exc:
+        logger.error("Refusing to serve: cannot bind %s: %s", args.address, exc)
+        transport.close()
+        status.stop()
+        return 1
+    try:
         transport.serve(stop, lambda: state.set_ready(True))
     except Exception:
         state.set_ready(False)
