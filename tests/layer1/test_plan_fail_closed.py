@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from k3_layer1_server import free_tcp_port
 
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient, ServerRequirements
@@ -103,6 +104,55 @@ def test_timeout_gives_no_draft_and_renews_the_socket(plan, scripted_server):
     result = plan.run(_step(["a"]))
     assert (result.tokens == 5).all()
     assert scripted_server.ops()[-3:] == ["PING", "FREE", "PROPOSE"]
+
+
+def test_unreachable_server_never_blocks_a_step_for_the_timeout():
+    client = DraftClient(f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=5000)
+    plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            assert (plan.run(_step(["a"])).tokens == -1).all()
+            # Far below the 5 s timeout: the retry waited only for its probe.
+            assert time.monotonic() - start < 2.5
+    finally:
+        client.close()
+
+
+def test_late_pong_brings_the_client_back_on_a_later_step(plan, scripted_server):
+    ping = scripted_server.handlers["PING"] = _answer_after(scripted_server, 0.15)
+    assert (plan.run(_step(["a"])).tokens == -1).all()
+    assert plan.server is None and scripted_server.ops() == ["PING"]
+    ping.answered.wait()
+    time.sleep(0.05)
+    assert (plan.run(_step(["a"])).tokens == 5).all()
+    assert scripted_server.ops() == ["PING", "PROPOSE"]
+
+
+def test_pong_not_come_within_the_timeout_is_given_up(plan, scripted_server):
+    ping = scripted_server.handlers["PING"] = _answer_after(scripted_server, 0.6)
+    plan.run(_step(["a"]))
+    time.sleep(0.35)
+    # Past the 300 ms timeout: the PING is dropped with its socket.
+    assert (plan.run(_step(["a"])).tokens == -1).all()
+    del scripted_server.handlers["PING"]
+    ping.answered.wait()
+    assert (plan.run(_step(["a"])).tokens == 5).all()
+    assert scripted_server.ops() == ["PING", "PING", "PROPOSE"]
+
+
+def _answer_after(server: Any, delay_s: float) -> Any:
+    """A PING handler that answers after ``delay_s``; ``.answered`` is set
+    once it has."""
+    answered = threading.Event()
+
+    def handler(header, frames):
+        time.sleep(delay_s)
+        answered.set()
+        return server.default(header, frames)
+
+    handler.answered = answered  # type: ignore[attr-defined]
+    return handler
 
 
 def test_stale_requests_are_freed_before_they_are_reset(plan, scripted_server):

@@ -233,12 +233,49 @@ class DraftClient:
     def handshake(
         self, needs: ServerRequirements, known_server_id: str | None = None
     ) -> ServerInfo:
-        """PING and check the server against ``needs``. A server other than
-        ``known_server_id`` that holds requests holds them for an earlier
-        verifier: CLEAR them (fresh epoch)."""
-        pong, frames = self.call(OP_PING)
-        if frames:
-            raise ProtocolError(f"PONG carries {len(frames)} unexpected frames")
+        """PING and check the server against ``needs``, waiting up to the RPC
+        timeout. A server other than ``known_server_id`` that holds requests
+        holds them for an earlier verifier: CLEAR them (fresh epoch)."""
+        self.start_handshake()
+        info = self.finish_handshake(needs, known_server_id, self.timeout_ms)
+        if info is None:
+            self.abandon()
+            raise TransportError(
+                f"PING to the draft server {self.address} failed: no PONG "
+                f"within {self.timeout_ms} ms"
+            )
+        return info
+
+    def start_handshake(self) -> None:
+        """Send a PING without waiting; ``finish_handshake`` takes its PONG."""
+        try:
+            self._socket.send(encode_header(request_header(OP_PING)))
+        except zmq.ZMQError as exc:
+            self._renew()
+            raise TransportError(
+                f"PING to the draft server {self.address} failed: {exc}"
+            ) from exc
+
+    def finish_handshake(
+        self, needs: ServerRequirements, known_server_id: str | None, wait_ms: int
+    ) -> ServerInfo | None:
+        """The outstanding PING's PONG checked as ``handshake`` does, or None
+        if it has not arrived within ``wait_ms`` (the PING stays outstanding
+        until a later call or ``abandon``)."""
+        try:
+            if not self._socket.poll(wait_ms, zmq.POLLIN):
+                return None
+            reply = self._socket.recv_multipart(copy=False)
+        except zmq.ZMQError as exc:
+            self._renew()
+            raise TransportError(
+                f"PING to the draft server {self.address} failed: {exc}"
+            ) from exc
+        pong = check_reply(
+            decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES), OP_PING
+        )
+        if len(reply) > 1:
+            raise ProtocolError(f"PONG carries {len(reply) - 1} unexpected frames")
         info = check_server(pong, needs)
         if info.active_requests and info.server_id != known_server_id:
             logger.info(
@@ -249,6 +286,10 @@ class DraftClient:
             )
             self.call(OP_CLEAR)
         return info
+
+    def abandon(self) -> None:
+        """Drop an outstanding request: its reply, if any, is never read."""
+        self._renew()
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -21,7 +21,7 @@ of a failed or malformed reply is used. A request whose remote state is
 uncertain after a failure is marked stale and FREEd first on the next step; a
 failing FREE keeps it stale. A transport failure ends the step for every
 request and the client stays offline, with exponential backoff, until a
-handshake succeeds again.
+handshake succeeds again; a retry never blocks a step for the RPC timeout.
 
 Extension point: a higher layer adds a ``ProposeExtension`` (the verifier half
 of a wire capability) by registering a factory with
@@ -63,6 +63,9 @@ from vllm.k3_draft.protocol import (
 logger = init_logger(__name__)
 
 NO_DRAFT = -1
+# How long the step that retries a handshake waits for the PONG; a healthy
+# server answers a PING well within it.
+_PROBE_WAIT_MS = 20
 
 
 @dataclass(frozen=True)
@@ -282,13 +285,17 @@ class RemotePlan:
         self._max_retry_interval_s = max_retry_interval_s
         self._backoff_s = retry_interval_s
         self._retry_at = 0.0
+        # While a PING of a retry is outstanding: when it is given up.
+        self._probe_deadline: float | None = None
         self._warned_long_id = False
 
     # ------------------------------------------------------------ server
 
     def connect(self) -> ServerInfo:
         """Handshake now; raises what ``DraftClient.handshake`` raises."""
-        info = self.client.handshake(self.needs, self._server_id)
+        return self._accept(self.client.handshake(self.needs, self._server_id))
+
+    def _accept(self, info: ServerInfo) -> ServerInfo:
         if self._server_id is not None and info.server_id != self._server_id:
             logger.warning(
                 "Draft server restarted (server_id %s -> %s); forgetting %d "
@@ -304,18 +311,42 @@ class RemotePlan:
         return info
 
     def _online(self) -> bool:
+        """Whether a handshake holds. While offline, a due retry sends a PING
+        and waits for it at most ``_PROBE_WAIT_MS``; later steps only look
+        for its PONG until the RPC timeout, so an unreachable server never
+        blocks a step for the timeout."""
         if self.server is not None:
             return True
-        if time.monotonic() < self._retry_at:
-            return False
         try:
-            self.connect()
+            if self._probe_deadline is None:
+                if time.monotonic() < self._retry_at:
+                    return False
+                self.client.start_handshake()
+                self._probe_deadline = time.monotonic() + self.client.timeout_ms / 1e3
+                wait_ms = min(_PROBE_WAIT_MS, self.client.timeout_ms)
+            else:
+                wait_ms = 0
+            info = self.client.finish_handshake(self.needs, self._server_id, wait_ms)
+            if info is None:
+                if time.monotonic() < self._probe_deadline:
+                    return False
+                self.client.abandon()
+                raise TransportError(
+                    f"no PONG from the draft server {self.client.address} within "
+                    f"{self.client.timeout_ms} ms"
+                )
         except (TransportError, ProtocolError, RemoteError) as exc:
+            self._probe_deadline = None
             self._go_offline(exc)
+            return False
         except IncompatibleServerError as exc:
+            self._probe_deadline = None
             logger.error("%s; proposing no drafts", exc)
             self._go_offline(None)
-        return self.server is not None
+            return False
+        self._probe_deadline = None
+        self._accept(info)
+        return True
 
     def _go_offline(self, exc: Exception | None) -> None:
         if exc is not None:
