@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from k3_layer1_server import free_tcp_port
-from toy_target import HIDDEN, NUM_AUX, make_input_batch
+from toy_target import HIDDEN, NUM_AUX, make_input_batch, make_vllm_config
 
 from vllm.k3_draft.client import IncompatibleServerError
 from vllm.k3_draft.plan import RemotePlan
@@ -111,6 +111,19 @@ def test_incompatible_server_is_refused_at_init(make_speculator, scripted_server
     scripted_server.pong["context_width"] = 4096
     with pytest.raises(IncompatibleServerError, match="context_width"):
         make_speculator(scripted_server.address)
+
+
+def test_watermarking_is_refused_at_init(tmp_path, make_speculator, scripted_server):
+    from vllm.config import WatermarkConfig
+
+    config = make_vllm_config(tmp_path)
+    config.speculative_config.draft_sample_method = "probabilistic"
+    config.watermark_config = WatermarkConfig(key=1, algorithm="dual_key_gumbel")
+    # Upstream accepts it: its model runner then watermarks the drafts
+    # through the speculator, which a remote draft cannot do.
+    config._check_supports_watermarking()
+    with pytest.raises(ValueError, match="does not support watermarking"):
+        make_speculator(scripted_server.address, config=config)
 
 
 def test_unreachable_server_starts_without_drafts(make_speculator):

@@ -170,6 +170,10 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             raise ValueError(
                 "Remote drafting does not support prefill context parallelism."
             )
+        if getattr(vllm_config, "watermark_config", None) is not None:
+            # Watermarked verification needs watermarked drafts, which the
+            # draft server does not make.
+            raise ValueError("Remote drafting does not support watermarking.")
         aux_layers = get_eagle3_aux_layers_from_config(speculative_config)
         if not aux_layers:
             raise ValueError(
