@@ -229,6 +229,17 @@ def test_retained_request_reconnects_from_another_source(plan, scripted_server):
     assert state.tokens is not None and state.tokens.prefix_equals(tokens, 36)
 
 
+def test_without_shared_prefixes_another_source_is_not_used(plan, scripted_server):
+    plan.share_prefixes = False
+    plan.run(_step(["a"], count=8))
+    plan.run(_step(["src"], count=40))
+    scripted_server.log.clear()
+    result = plan.run(_step(["a"], first=32, count=4))
+    assert scripted_server.ops() == ["PROPOSE"]
+    assert scripted_server.log[0][1]["requests"][0]["reset"]
+    assert (result.tokens == 5).all()
+
+
 def test_request_id_the_protocol_cannot_carry_gets_no_draft(plan, scripted_server):
     long_id = "x" * (protocol.MAX_REQUEST_ID_CHARS + 1)
     for _ in range(3):

@@ -126,6 +126,17 @@ def test_watermarking_is_refused_at_init(tmp_path, make_speculator, scripted_ser
         make_speculator(scripted_server.address, config=config)
 
 
+def test_prompt_embeds_keep_reconnects_within_a_request(
+    tmp_path, make_speculator, scripted_server
+):
+    config = make_vllm_config(tmp_path)
+    shared, _ = make_speculator(scripted_server.address, config=config)
+    assert shared.plan.share_prefixes
+    config.model_config.enable_prompt_embeds = True
+    speculator, _ = make_speculator(scripted_server.address, config=config)
+    assert not speculator.plan.share_prefixes
+
+
 def test_unreachable_server_starts_without_drafts(make_speculator):
     speculator, _ = make_speculator(
         f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=200

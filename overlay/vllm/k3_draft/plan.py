@@ -271,8 +271,12 @@ class RemotePlan:
         timing_log_interval: int = 0,
         retry_interval_s: float = 1.0,
         max_retry_interval_s: float = 60.0,
+        share_prefixes: bool = True,
     ) -> None:
         self.client = client
+        # Whether equal token ids mean equal target hidden states, so that a
+        # request may be reconnected from another request's prefix.
+        self.share_prefixes = share_prefixes
         self.needs = needs
         self.extensions = list(extensions)
         self.retained: dict[str, _Retained] = {}
@@ -511,14 +515,18 @@ class RemotePlan:
     def _find_source(self, request: StepRequest) -> str | None:
         """A reconnectable retained request whose valid positions reach the
         request's first position with identical tokens before it; the request
-        itself first, then the most recently used."""
+        itself first, then (with ``share_prefixes``) the most recently used."""
         if request.tokens is None or request.first_position == 0:
             return None
         prefix_end = request.first_position
-        candidates = sorted(
-            self.retained.items(),
-            key=lambda item: (item[0] != request.request_id, -item[1].last_used),
-        )
+        if self.share_prefixes:
+            candidates = sorted(
+                self.retained.items(),
+                key=lambda item: (item[0] != request.request_id, -item[1].last_used),
+            )
+        else:
+            own = self.retained.get(request.request_id)
+            candidates = [] if own is None else [(request.request_id, own)]
         for rid, state in candidates:
             if (
                 not state.stale

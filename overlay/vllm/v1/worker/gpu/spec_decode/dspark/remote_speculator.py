@@ -241,6 +241,11 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             needs,
             self.extensions,
             timing_log_interval=envs.VLLM_K3_DRAFT_TIMING_LOG_INTERVAL,
+            # Equal token ids may stand for different hidden states under
+            # LoRA adapters, multimodal inputs or prompt embeddings.
+            share_prefixes=vllm_config.lora_config is None
+            and not model_config.is_multimodal_model
+            and not model_config.enable_prompt_embeds,
         )
         try:
             info = self.plan.connect()
