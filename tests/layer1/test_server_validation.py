@@ -319,5 +319,5 @@ def test_stats_count_requests_and_errors_by_op(server):
     call(server, "PING")
     call(server, "NOPE")
     snapshot = server.snapshot()
-    assert snapshot["requests_by_op"] == {"PING": 1}
+    assert snapshot["requests_by_op"] == {"PING": 1, "INVALID": 1}
     assert snapshot["errors_by_op"] == {"INVALID": 1}

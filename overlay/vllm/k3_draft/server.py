@@ -195,6 +195,7 @@ class DraftServer:
         except Exception as exc:
             if op == "INVALID":
                 with self.lock:
+                    self._count(self.stats.requests_by_op, op)
                     self._count(self.stats.errors_by_op, op)
             if not isinstance(exc, ProtocolError):
                 logger.exception("%s failed", op)
