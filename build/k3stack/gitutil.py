@@ -78,6 +78,23 @@ def is_work_tree(path: Path) -> bool:
 
 
 def dirty_paths(path: Path, *pathspec: str) -> list[str]:
-    """Uncommitted (staged, unstaged or untracked) paths in a work tree."""
-    out = git(path, "status", "--porcelain", "--untracked-files=all", "--", *pathspec)
-    return [line[3:] for line in out.splitlines() if line]
+    """Uncommitted paths in a work tree: staged, unstaged, untracked, and new
+    files its .gitignore matches (a plain ``git add`` skips those, so they
+    would be lost); Python's bytecode caches aside."""
+    out = git(
+        path,
+        "status",
+        "--porcelain",
+        "-z",
+        "--no-renames",
+        "--ignored=matching",
+        "--untracked-files=all",
+        "--",
+        *pathspec,
+    )
+    paths = [entry[3:] for entry in out.split("\0") if entry]
+    return [p for p in paths if not _bytecode(p)]
+
+
+def _bytecode(path: str) -> bool:
+    return path.endswith(".pyc") or "__pycache__" in path.rstrip("/").split("/")

@@ -89,7 +89,8 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     if dirty:
         raise StackError(
             f"{tree} has uncommitted edits ({dirty[0]} ...); refused: commit "
-            "them into their layer first (git commit --fixup, rebase --autosquash)"
+            "them into their layer first (git commit --fixup, rebase --autosquash; "
+            "`git add --force` for files its .gitignore matches)"
         )
     commits = git(tree, "rev-list", "--reverse", f"{UPSTREAM_TAG}..HEAD").splitlines()
     if git(tree, "rev-list", "--merges", f"{UPSTREAM_TAG}..HEAD"):

@@ -108,7 +108,8 @@ def guard_existing(tree: Path) -> None:
     if dirty:
         raise StackError(
             f"{tree} has uncommitted edits ({len(dirty)} paths, e.g. {dirty[0]}); "
-            "refused: commit them into their layer and run `nox -s refresh`"
+            "refused: commit them into their layer (`git add --force` for files "
+            "its .gitignore matches) and run `nox -s refresh`"
         )
     marker = refreshed_marker(tree)
     own = {"refs/heads/main", f"refs/tags/{UPSTREAM_TAG}"}

@@ -32,8 +32,9 @@ UPSTREAM_FILES = {
         "    assert step_1() == 1\n"
     ),
     "pyproject.toml": "[project]\nname = 'vllm'\n",
-    # Released in the sdist but matched by its .gitignore, as in vLLM's.
-    ".gitignore": "vllm/_version.py\n",
+    # Released in the sdist but matched by its .gitignore, as in vLLM's
+    # (whose patterns also match new files a maintainer may add, like *.csv).
+    ".gitignore": "vllm/_version.py\n*.csv\n",
     "vllm/_version.py": "__version__ = '1.0'\n",
 }
 

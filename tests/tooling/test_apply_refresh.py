@@ -126,6 +126,40 @@ def test_files_the_sdist_ignores_are_committed_and_guarded(
     assert ignored.read_text() == "edited\n"
 
 
+def test_apply_refuses_a_tree_with_a_new_file_its_gitignore_matches_and_keeps_it(
+    filled: Synthetic,
+) -> None:
+    table = filled.tree / "vllm/capabilities/h200.csv"
+    table.parent.mkdir()
+    table.write_text("batch,ms\n")
+    with pytest.raises(StackError, match="uncommitted edits .*h200.csv"):
+        filled.apply()
+    assert table.read_text() == "batch,ms\n"
+
+
+def test_apply_replaces_a_tree_that_holds_only_new_bytecode_caches(
+    filled: Synthetic,
+) -> None:
+    cache = filled.tree / "vllm/__pycache__/model.cpython-312.pyc"
+    cache.parent.mkdir()
+    cache.write_bytes(b"bytecode")
+    filled.apply()
+    assert not cache.exists()
+
+
+def test_refresh_refuses_a_new_file_that_a_plain_git_add_skipped(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    table = filled.tree / "vllm/remote/h200.csv"
+    table.write_text("batch,ms\n")
+    git(filled.tree, "add", "-A")
+    before = snapshot(filled)
+    with pytest.raises(StackError, match="uncommitted edits .*h200.csv"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
+
+
 def test_refresh_refuses_uncommitted_edits_and_keeps_them(filled: Synthetic) -> None:
     filled.apply()
     (filled.tree / "vllm/model.py").write_text("half-done\n")
