@@ -281,8 +281,9 @@ class HunkMismatch(StackError):
 def apply_exact(source: bytes, patch: FilePatch) -> bytes:
     """Apply ``patch`` to ``source`` with no fuzz and no offset.
 
-    Every hunk must match at exactly the line its header names, and the new
-    positions must follow from the old ones; anything else raises HunkMismatch.
+    Every hunk must match at exactly the line its header names, one without
+    trailing context must end at the end of the file, and the new positions
+    must follow from the old ones; anything else raises HunkMismatch.
     """
     src = source.splitlines(keepends=True)
     out: list[bytes] = []
@@ -317,6 +318,15 @@ def apply_exact(source: bytes, patch: FilePatch) -> bytes:
             if op == b" ":
                 out.append(text)
             cursor += 1
+        # Without trailing context the hunk was made at the end of the file
+        # and holds only there (as git apply requires).
+        if (not hunk.lines or hunk.lines[-1][0] != b" ") and cursor != len(src):
+            raise HunkMismatch(
+                patch.path,
+                index,
+                hunk,
+                f"must end at end of file; the file has {len(src) - cursor} more lines",
+            )
         pos = cursor
         delta += hunk.new_len - hunk.old_len
     out.extend(src[pos:])

@@ -11,6 +11,7 @@ from conftest import UPSTREAM_FILES, Synthetic
 
 from k3stack import StackError
 from k3stack.gitutil import git
+from k3stack.patchfile import HunkMismatch, apply_exact, parse_diff
 from k3stack.refresh import refresh
 from k3stack.worktree import current_marker
 
@@ -191,6 +192,36 @@ def test_a_layer_that_would_need_fuzz_names_layer_file_and_hunk(
     message = str(info.value)
     assert "layer 2 (0002-layer-2.patch) does not apply" in message
     assert "vllm/model.py hunk 1 (@@ -59,7 +59,7 @@" in message
+
+
+def test_a_hunk_made_at_end_of_file_is_refused_where_upstream_goes_on_after_it(
+    synthetic: Synthetic, tmp_path
+) -> None:
+    from conftest import make_sdist
+
+    envs = UPSTREAM_FILES["vllm/envs.py"] + "K3_SETTING = 1\n"
+    synthetic.amend(1, {"vllm/envs.py": envs})
+    refresh(synthetic.stack(), synthetic.tree)
+    grown = dict(UPSTREAM_FILES)
+    grown["vllm/envs.py"] += "def upstream_tail():\n    return 41\n"
+    with pytest.raises(StackError) as info:
+        synthetic.apply(sdist=make_sdist(tmp_path / "grown.tar.gz", grown))
+    assert str(info.value) == (
+        "layer 1 (0001-layer-1.patch) does not apply: vllm/envs.py hunk 1 "
+        "(@@ -38,3 +38,4 @@ SETTING_36 = 36): must end at end of file; the file "
+        "has 2 more lines"
+    )
+
+
+def test_a_hunk_for_an_empty_file_is_refused_on_a_non_empty_one() -> None:
+    diff = (
+        b"diff --git a/f b/f\nindex e69de29..4bcfe98 100644\n--- a/f\n+++ b/f\n"
+        b"@@ -0,0 +1 @@\n+new\n"
+    )
+    (patch,) = parse_diff(diff, "test")
+    assert apply_exact(b"", patch) == b"new\n"
+    with pytest.raises(HunkMismatch, match="must end at end of file"):
+        apply_exact(b"upstream code\n", patch)
 
 
 def test_a_failed_apply_leaves_the_existing_tree_as_it_was(
