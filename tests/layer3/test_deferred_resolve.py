@@ -208,6 +208,25 @@ def test_a_parked_reply_is_released_even_when_it_fails(fails):
     assert staged == ([-1] if fails else [7])
 
 
+class FailingParkGate(RecordingGate):
+    """A ``StreamGate`` whose ``park`` fails (a CUDA launch error)."""
+
+    def park(self, stream: Any = None) -> None:
+        raise RuntimeError("cudaLaunchHostFunc failed with CUDA error 35")
+
+
+def test_a_reply_whose_park_failed_releases_no_gate():
+    """No stream reached the gate, so ``release`` (a barrier wait) would
+    block the reply thread forever."""
+    gate = FailingParkGate()
+    reply = stream_gate.ReplyGate(gate)
+    with pytest.raises(RuntimeError, match="cudaLaunchHostFunc"):
+        reply.wait()
+    reply.deliver(lambda: None, lambda exc: None)
+    assert gate.events == []
+    assert reply.delivered
+
+
 def test_a_reply_delivered_before_the_wait_parks_nothing():
     gate = RecordingGate()
     reply = stream_gate.ReplyGate(gate)

@@ -170,12 +170,16 @@ class ReplyGate:
                 self._gate.release()
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Stream owner: order the stream's next work after the reply."""
+        """Stream owner: order the stream's next work after the reply. If
+        parking raises, the gate counts as not parked: ``deliver`` then
+        releases nothing."""
         with self._lock:
             if self._done.is_set():
                 return
-            self._parked = True
-        if self._gate is None:
-            self._done.wait()
-        else:
-            self._gate.park(stream)
+            if self._gate is not None:
+                # Enqueue-only; under the lock, so that ``deliver`` sees the
+                # gate parked exactly when a stream will reach it.
+                self._gate.park(stream)
+                self._parked = True
+                return
+        self._done.wait()
