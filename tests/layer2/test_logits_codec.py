@@ -26,6 +26,7 @@ V, K = 48, 3
 MAX_LEN = 64
 ANCHORS = np.array([5, 61, 20])  # the second request runs past MAX_LEN
 NEG_INF, POS_INF, NAN = -128, 0x7F80, 0x7FC0  # bf16 bit patterns (int16)
+LARGEST = 2**16 - 2**8  # the largest bf16 magnitude below the 2**16 bound
 
 
 def _logits(seed: int = 0) -> torch.Tensor:
@@ -34,7 +35,7 @@ def _logits(seed: int = 0) -> torch.Tensor:
     logits = (torch.randn(len(ANCHORS), K, V, generator=generator) * 8).bfloat16()
     logits[0, 0, 3] = float("-inf")
     logits[1, 2, 7] = 1e-40  # subnormal
-    logits[2, 1, 9] = torch.finfo(torch.bfloat16).min
+    logits[2, 1, 9] = -LARGEST
     return logits
 
 
@@ -126,6 +127,10 @@ def _set_value(frame: bytes, index: int, bits: int) -> bytes:
     return values.tobytes()
 
 
+def _bf16_bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
 def _set_id(frame: bytes, values_nbytes: int, index: int, token: int) -> bytes:
     ids = np.frombuffer(frame, dtype="<i4", offset=values_nbytes).copy()
     ids[index] = token
@@ -173,6 +178,30 @@ def test_slot_without_a_finite_logit_is_refused():
     for index in range(4, 8):  # every value of slot [0, 1]
         frame = _set_value(frame, index, NEG_INF & 0xFFFF)
     with pytest.raises(ProtocolError, match="without a finite logit"):
+        _decode(fmt, meta, [frame])
+
+
+@pytest.mark.parametrize("value", [2.0**16, -(2.0**16), 3e38, -3e38])
+def test_finite_value_of_magnitude_2_16_or_more_is_refused(value):
+    fmt, meta, frame = _full_case()
+    with pytest.raises(ProtocolError, match=r"magnitude >= 2\*\*16"):
+        _decode(fmt, meta, [_set_value(frame, 100, _bf16_bits(value))])
+
+
+@pytest.mark.parametrize("value", [LARGEST, -LARGEST])
+def test_largest_magnitude_below_2_16_is_accepted(value):
+    fmt, meta, frame = _topk_case()
+    decoded = _decode(fmt, meta, [_set_value(frame, 2, _bf16_bits(value))])
+    values = torch.from_numpy(decoded.values.copy()).view(torch.bfloat16)
+    assert values[0, 0, 2] == value
+
+
+def test_slot_whose_only_finite_logit_is_too_large_is_refused():
+    fmt, meta, frame = _topk_case()
+    for index in range(4, 7):  # all but the last value of slot [0, 1]
+        frame = _set_value(frame, index, NEG_INF & 0xFFFF)
+    frame = _set_value(frame, 7, _bf16_bits(-3e38))
+    with pytest.raises(ProtocolError, match=r"magnitude >= 2\*\*16"):
         _decode(fmt, meta, [frame])
 
 
@@ -224,6 +253,13 @@ def test_boolean_sample_position_is_refused():
     meta["sample_positions"] = [[True, 2, 3]]
     with pytest.raises(ProtocolError, match="sample_positions"):
         decode_logits(meta, [bytes(tensor_frame(frame))], fmt, anchors, K, 8)
+
+
+def test_float_sample_position_is_refused():
+    fmt, meta, frame = _full_case()
+    meta["sample_positions"] = [[6.0, 7, 8], [62, 63, None], [21, 22, 23]]
+    with pytest.raises(ProtocolError, match="sample_positions"):
+        _decode(fmt, meta, [frame])
 
 
 def test_missing_frame_is_refused():

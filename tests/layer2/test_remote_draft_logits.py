@@ -235,6 +235,8 @@ def _scripted_propose(header: dict[str, Any], corrupt: str) -> list[bytes]:
     data = bytearray(protocol.tensor_frame(frame))
     if corrupt == "nan":
         data[0:2] = b"\xc0\x7f"
+    elif corrupt == "huge":
+        data[0:2] = b"\x80\x47"  # 2**16: overflows fp32 at small temperatures
     elif corrupt == "oov":
         data[meta["values_nbytes"] : meta["values_nbytes"] + 4] = (VOCAB).to_bytes(
             4, "little"
@@ -261,6 +263,7 @@ def _scripted_propose(header: dict[str, Any], corrupt: str) -> list[bytes]:
     [
         ("none", 0),
         ("nan", 0),
+        ("huge", 0),
         ("short", 0),
         ("positions", 0),
         ("missing", 0),

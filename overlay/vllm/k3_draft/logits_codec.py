@@ -21,10 +21,16 @@ is the position of the token drafted in slot ``j`` of request ``r``
 model length: such a slot carries no draft. Its Gumbel draw is keyed by the
 position before it, as for upstream's local drafts.
 
-A client validates every field, the frame length, that no value is NaN or
-+inf and that each slot has a finite logit, and that top-k ids are distinct
-vocabulary ids, before using anything (``decode_logits``). This module imports
-only the standard library, numpy and torch: the draft server uses it too.
+A client validates every field, the frame length, the values and that top-k
+ids are distinct vocabulary ids, before using anything (``decode_logits``).
+A value is -inf (a masked token) or finite with magnitude below ``2**16``, and
+each slot has a finite one. The bound keeps the samplers' fp32
+``logit / temperature`` finite: vLLM samples at temperature 0 (greedy, no
+division) or at least 1e-2 (``SamplingParams`` raises smaller ones), so
+``|logit| / T < 2**16 * 100``, whereas a bf16 near its maximum (3.4e38)
+overflows at any T < 1, fixes the Gumbel draw and makes the rejection
+sampler's q NaN. This module imports only the standard library, numpy and
+torch: the draft server uses it too.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ _VALUE_BYTES = 2
 # bf16 bit fields: an all-ones exponent is an infinity (zero mantissa) or a NaN.
 _EXPONENT = 0x7F80
 _MANTISSA = 0x007F
+# The exponent field of 2**16 (bias 127): the smallest refused finite magnitude.
+_TOO_LARGE = (127 + 16) << 7
 _FULL_KEYS = frozenset(
     {"capability", "num_frames", "dtype", "shape", "nbytes", "sample_positions"}
 )
@@ -196,12 +204,12 @@ class DecodedLogits:
 def _check_positions(
     got: Any, anchor_positions: np.ndarray, num_tokens: int, max_model_len: int
 ) -> np.ndarray:
-    """``got`` must be the wire form of the slots' positions (ints, not JSON
-    booleans); returns them as int64 ``[R, K]``, -1 for None."""
+    """``got`` must be the wire form of the slots' positions (ints or None,
+    not JSON booleans or floats); returns them as int64 ``[R, K]``, -1 for
+    None."""
     positions = _slot_positions(anchor_positions, num_tokens)
-    # Positions are at least 1, so only a 1 can stand for a JSON true.
     if got != _wire_positions(positions, max_model_len) or any(
-        1 in row and any(value is True for value in row) for row in got
+        value is not None and type(value) is not int for row in got for value in row
     ):
         raise ProtocolError(
             "logits sample_positions are not the positions of the drafted slots"
@@ -210,16 +218,21 @@ def _check_positions(
 
 
 def _check_values(values: np.ndarray) -> None:
-    """No NaN, no +inf, and a finite value in every slot."""
-    special = (values & _EXPONENT) == _EXPONENT
-    if not special.any():
+    """Only -inf or finite values of magnitude below ``2**16``, and a finite
+    value in every slot."""
+    large = (values & _EXPONENT) >= _TOO_LARGE  # also every infinity and NaN
+    if not large.any():
         return
-    if (values[special] & _MANTISSA).any():
+    flagged = values[large]
+    infinite = (flagged & _EXPONENT) == _EXPONENT
+    if (flagged[infinite] & _MANTISSA).any():
         raise ProtocolError("logits frame holds NaN")
     # -inf (a masked token) is allowed; its sign bit makes the int16 negative.
-    if (values[special] >= 0).any():
+    if (flagged[infinite] >= 0).any():
         raise ProtocolError("logits frame holds +inf")
-    if special.all(axis=-1).any():
+    if not infinite.all():
+        raise ProtocolError("logits frame holds a finite value of magnitude >= 2**16")
+    if large.all(axis=-1).any():
         raise ProtocolError("logits frame has a slot without a finite logit")
 
 
