@@ -137,11 +137,12 @@ def spec_example() -> Case:
 
 
 def random_case(seed: int, max_query_len: int = 40) -> Case:
-    """A batch over 2-4 groups, sharded and replicated mixed, any rank and
-    interleave; some requests are padding (-1), some groups are disabled.
-    Queries longer than 1024 tokens take several kernel loop iterations."""
+    """A batch over 2-4 groups without DCP (size 1: every group replicated)
+    or with it (sharded and replicated mixed, any rank and interleave); some
+    requests are padding (-1), some groups are disabled. Queries longer than
+    1024 tokens take several kernel loop iterations."""
     rng = random.Random(seed)
-    cp_size = rng.choice([2, 4, 8])
+    cp_size = rng.choice([1, 2, 4, 8])
     # vLLM requires the interleave to divide the block size.
     interleave = rng.choice([1, 2, 8, 16])
     max_num_reqs = rng.randint(1, 5)
