@@ -100,6 +100,17 @@ def test_uncovered_restore_is_refused():
         plan(RequestState(0, 0, 500, 500), prefix_end=460)
 
 
+def test_restore_one_position_before_the_cached_rows_is_refused():
+    # budget 96: rows [401, 497) are cached; prefix_end 464 needs 400.
+    with pytest.raises(ProtocolError, match="not covered"):
+        plan(RequestState(0, 0, 497, 497), prefix_end=464)
+
+
+def test_restore_from_the_first_cached_row_is_accepted():
+    # budget 96: rows [400, 496) are cached; prefix_end 464 needs 400.
+    assert plan(RequestState(0, 0, 496, 496), prefix_end=464).restored_start == 400
+
+
 def test_rows_overwritten_after_a_rewind_do_not_count_as_covered():
     # Rewound to 450 after writing up to 500: positions < 404 were overwritten.
     with pytest.raises(ProtocolError, match="not covered"):
