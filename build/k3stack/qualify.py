@@ -43,6 +43,8 @@ TEST_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 PER_TEST_TIMEOUT_S = 300
+# pytest's exit codes for a run that went to the end (with or without failures).
+COMPLETED = (0, 1)
 
 
 @dataclass
@@ -84,6 +86,21 @@ def read_junit(path: Path) -> Outcomes:
     return outcomes
 
 
+def pytest_args(junit: Path) -> list[str]:
+    """pytest's options for every run; a file that cannot be collected does not
+    keep the others from running."""
+    return [
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not gpu",
+        "--continue-on-collection-errors",
+        f"--timeout={PER_TEST_TIMEOUT_S}",
+        f"--junitxml={junit}",
+    ]
+
+
 def run_pytest(
     python: str,
     cwd: Path,
@@ -92,21 +109,12 @@ def run_pytest(
     junit: Path,
     extra_path: list[Path],
 ) -> tuple[int, Outcomes]:
+    """pytest's exit code and the outcomes it wrote to ``junit`` (none when it
+    wrote none: an XML from an earlier run is removed first)."""
     env = {**os.environ, **TEST_ENV}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in [site, *extra_path])
-    cmd = [
-        python,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "not gpu",
-        f"--timeout={PER_TEST_TIMEOUT_S}",
-        f"--junitxml={junit}",
-        *targets,
-    ]
+    junit.unlink(missing_ok=True)
+    cmd = [python, "-m", "pytest", *pytest_args(junit), *targets]
     proc = subprocess.run(
         cmd,
         cwd=cwd,
@@ -117,9 +125,14 @@ def run_pytest(
     )
     tail = proc.stdout.strip().splitlines()[-1:] or [""]
     print(f"qualify:   pytest {' '.join(targets)[:90]} -> {tail[0][:120]}", flush=True)
-    if proc.returncode not in (0, 1, 5):
+    if proc.returncode not in (*COMPLETED, 5):
         print(proc.stdout[-4000:], file=sys.stderr)
     return proc.returncode, read_junit(junit)
+
+
+def completed(code: int, junit: Path) -> bool:
+    """Whether a pytest run went to the end and wrote its results."""
+    return code in COMPLETED and junit.is_file()
 
 
 def install_site(python: str, pristine: Path, payload: Path, site: Path) -> None:
@@ -185,6 +198,14 @@ def export_tests(tree: Path, rev: str, dest: Path, paths: list[str]) -> None:
         )
 
 
+def of_files(test_id: str, files: list[str]) -> bool:
+    """Whether a JUnit test id (``dotted.module[.Class]::name``) is a test of
+    one of ``files``."""
+    classname = test_id.split("::", 1)[0]
+    modules = [f.removesuffix(".py").replace("/", ".") for f in files]
+    return any(classname == m or classname.startswith(f"{m}.") for m in modules)
+
+
 def overlay_modules(layers: list[Layer]) -> list[str]:
     modules = []
     for layer in layers:
@@ -218,13 +239,34 @@ def check_imports(python: str, site: Path, modules: list[str]) -> list[str]:
     return [line for line in proc.stdout.splitlines() if line]
 
 
+def interpreter_key(python: str) -> bytes:
+    """What of ``python`` decides test outcomes: its version and the
+    distributions installed in it."""
+    script = (
+        "import importlib.metadata as m, sys\n"
+        "print(sys.version)\n"
+        "print(*sorted(f\"{d.metadata['Name']}=={d.version}\" "
+        "for d in m.distributions()), sep='\\n')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, "-c", script], capture_output=True, env=env)
+    if proc.returncode != 0:
+        error = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        reason = error[-1] if error else f"exit code {proc.returncode}"
+        raise StackError(f"{python} does not run: {reason}")
+    return proc.stdout
+
+
 def baseline(
     python: str, tree: Path, site0: Path, tests: list[str], work: Path, out: Path
 ) -> Outcomes:
-    """Outcomes of ``tests`` on pristine upstream, cached by their inputs."""
+    """Outcomes of ``tests`` on pristine upstream, cached by their inputs:
+    the interpreter and its packages, the pristine install, the tests and how
+    pytest runs them."""
     if not tests:
         return Outcomes()
-    digest = hashlib.sha256(sys.version.encode())
+    digest = hashlib.sha256(interpreter_key(python))
+    digest.update(json.dumps([pytest_args(Path("-")), TEST_ENV]).encode())
     digest.update((site0 / ".k3stack-wheel").read_bytes())
     digest.update(git_bytes(tree, "rev-parse", f"{UPSTREAM_TAG}:tests"))
     digest.update("\0".join(sorted(tests)).encode())
@@ -234,9 +276,13 @@ def baseline(
     else:
         dest = work / "tests-0"
         export_tests(tree, UPSTREAM_TAG, dest, tests)
-        _, outcomes = run_pytest(
-            python, dest, site0, sorted(tests), out / "baseline.xml", []
-        )
+        junit = out / "baseline.xml"
+        code, outcomes = run_pytest(python, dest, site0, sorted(tests), junit, [])
+        if not completed(code, junit):
+            raise StackError(
+                "the upstream tests did not run to the end on pristine upstream "
+                f"(pytest exit code {code}); there is no baseline to judge by"
+            )
         cache.write_text(json.dumps(outcomes.results, indent=1, sort_keys=True))
     failing = sorted(t for t, s in outcomes.results.items() if s != "passed")
     (out / "baseline.json").write_text(
@@ -294,15 +340,25 @@ def qualify_layer(
         dest = work / f"tests-{n}"
         export_tests(tree, layer_tag(n), dest, tests)
         junit = out / f"layer-{n}-upstream.xml"
-        _, now = run_pytest(python, dest, site, sorted(tests), junit, [])
+        code, now = run_pytest(python, dest, site, sorted(tests), junit, [])
         junits.append(junit)
+        if not completed(code, junit):
+            row.ok = False
+            row.notes.append(
+                f"upstream tests did not run to the end (pytest exit code {code})"
+            )
+        # A test that passed on pristine must pass here: failing, new and
+        # failing, or no longer run at all are regressions alike.
+        pristine = {t: s for t, s in base.results.items() if of_files(t, tests)}
         regressions = sorted(
             t
-            for t, s in now.results.items()
-            if s != "passed" and base.results.get(t, "passed") == "passed"
+            for t in {*now.results, *pristine}
+            if now.results.get(t) != "passed" and pristine.get(t, "passed") == "passed"
         )
-        known = sum(1 for t, s in now.results.items() if s != "passed") - len(
-            regressions
+        known = sum(
+            1
+            for t, s in now.results.items()
+            if s != "passed" and pristine.get(t, "passed") != "passed"
         )
         row.upstream = (
             f"{now.count('passed')} passed, {len(regressions)} regressions, "
@@ -310,7 +366,10 @@ def qualify_layer(
         )
         row.passed += now.count("passed")
         row.failed += len(regressions)
-        row.notes += [f"regression: {t}" for t in regressions]
+        row.notes += [
+            f"regression: {t}" + ("" if t in now.results else " (did not run)")
+            for t in regressions
+        ]
         row.ok = row.ok and not regressions and bool(now.results)
     if bad:
         row.ok = False

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""qualify judges a layer's upstream tests against pristine upstream.
+
+The tests run with this interpreter, which has pytest and pytest-timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import UPSTREAM_FILES, Synthetic, make_sdist
+
+from k3stack import StackError
+from k3stack.gitutil import git
+from k3stack.qualify import Row, baseline, qualify_layer
+from k3stack.refresh import refresh
+
+PYTHON = sys.executable
+
+
+def prepare(syn: Synthetic, tmp_path: Path, sdist: Path | None = None) -> Path:
+    """Give each layer a passing suite, apply, and install the pristine wheel;
+    return the pristine install."""
+    for n in (1, 2, 3):
+        suite = syn.root / "tests" / f"layer{n}"
+        suite.mkdir(parents=True)
+        (suite / f"test_layer{n}.py").write_text("def test_ok():\n    assert True\n")
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", "suites")
+    syn.apply(sdist=sdist)
+    site0 = tmp_path / "work" / "site-0"
+    with zipfile.ZipFile(syn.wheel) as zf:
+        zf.extractall(site0)
+    (site0 / ".k3stack-wheel").write_text("synthetic")
+    (tmp_path / "out").mkdir()
+    return site0
+
+
+def qualify_layer_3(syn: Synthetic, tmp_path: Path, site0: Path) -> Row:
+    stack = syn.stack()
+    layer = stack.layer(3)
+    work, out = tmp_path / "work", tmp_path / "out"
+    base = baseline(PYTHON, syn.tree, site0, layer.patch.upstream_tests, work, out)
+    return qualify_layer(
+        stack, syn.pin, layer, syn.tree, syn.wheel, site0, base, PYTHON, work, out
+    )
+
+
+def change_layer_3(syn: Synthetic, edit: dict[str, str]) -> None:
+    syn.amend(3, edit)
+    refresh(syn.stack(), syn.tree)
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", "layer 3 changed")
+    syn.apply()
+
+
+def test_an_upstream_run_that_dies_fails_rather_than_reading_the_last_runs_xml(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    assert qualify_layer_3(filled, tmp_path, site0).ok
+    # Importing vllm.model now kills the interpreter: pytest writes no XML.
+    model = UPSTREAM_FILES["vllm/model.py"] + "import os\nos.abort()\n"
+    change_layer_3(filled, {"vllm/model.py": model})
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert "upstream tests did not run to the end (pytest exit code -6)" in row.notes
+
+
+def test_an_upstream_run_that_is_interrupted_fails(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    test = UPSTREAM_FILES["tests/test_model.py"]
+    test += "\n\ndef test_stop():\n    raise KeyboardInterrupt\n"
+    change_layer_3(filled, {"tests/test_model.py": test})
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert "upstream tests did not run to the end (pytest exit code 2)" in row.notes
+
+
+def test_an_upstream_file_that_cannot_be_collected_hides_no_regression_in_another(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["tests/test_aaa_needs_hub.py"] = "import no_such_hub_module\n"
+    sdist = make_sdist(tmp_path / "vllm-1.0-hub.tar.gz", files)
+    patch = filled.root / "patches/0003-layer-3.patch"
+    patch.write_text(
+        patch.read_text().replace(
+            "Upstream-Tests:\n",
+            "Upstream-Tests:\n tests/test_aaa_needs_hub.py\n",
+        )
+    )
+    site0 = prepare(filled, tmp_path, sdist)
+    model = UPSTREAM_FILES["vllm/model.py"].replace("return 1\n", "return -1\n", 1)
+    filled.amend(3, {"vllm/model.py": model})
+    refresh(filled.stack(), filled.tree)
+    git(filled.root, "add", "-A")
+    git(filled.root, "commit", "-q", "-m", "layer 3 breaks step_1")
+    filled.apply(sdist=sdist)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert "regression: tests.test_model::test_step_one" in row.notes
+
+
+def test_a_test_passing_on_pristine_that_no_longer_runs_is_a_regression(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    # Marked 'gpu', upstream's test is deselected by qualify's -m "not gpu".
+    test = "import pytest\n" + UPSTREAM_FILES["tests/test_model.py"].replace(
+        "def test_step_one", "@pytest.mark.gpu\ndef test_step_one"
+    )
+    test += "\n\ndef test_other():\n    assert True\n"
+    change_layer_3(filled, {"tests/test_model.py": test})
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert "regression: tests.test_model::test_step_one (did not run)" in row.notes
+
+
+def test_the_baseline_is_not_reused_for_an_interpreter_with_other_packages(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["tests/test_hub.py"] = "def test_hub():\n    import hub_client\n"
+    site0 = prepare(synthetic, tmp_path, make_sdist(tmp_path / "hub.tar.gz", files))
+    # The same interpreter with one more distribution installed.
+    extra = tmp_path / "extra"
+    (extra / "hub_client-1.0.dist-info").mkdir(parents=True)
+    (extra / "hub_client-1.0.dist-info/METADATA").write_text(
+        "Metadata-Version: 2.1\nName: hub-client\nVersion: 1.0\n"
+    )
+    (extra / "hub_client.py").write_text("")
+    with_hub = tmp_path / "python-with-hub"
+    with_hub.write_text(
+        f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{extra}" exec {PYTHON} "$@"\n'
+    )
+    with_hub.chmod(0o755)
+    work, out = tmp_path / "work", tmp_path / "out"
+    tests = ["tests/test_hub.py"]
+    without = baseline(PYTHON, synthetic.tree, site0, tests, work, out)
+    assert without.results == {"tests.test_hub::test_hub": "failed"}
+    with_it = baseline(str(with_hub), synthetic.tree, site0, tests, work, out)
+    assert with_it.results == {"tests.test_hub::test_hub": "passed"}
+
+
+def test_a_pristine_run_that_dies_is_refused_and_not_cached(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["tests/test_dies.py"] = "import os\nos.abort()\n"
+    site0 = prepare(synthetic, tmp_path, make_sdist(tmp_path / "dies.tar.gz", files))
+    work, out = tmp_path / "work", tmp_path / "out"
+    with pytest.raises(StackError, match="did not run to the end on pristine"):
+        baseline(PYTHON, synthetic.tree, site0, ["tests/test_dies.py"], work, out)
+    assert not list(work.glob("baseline-*.json"))
