@@ -11,8 +11,11 @@ for the reply; the order of everything else is the runner's own."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +26,7 @@ from k3_layer1_server import DraftServerProcess
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm import envs
-from vllm.k3_draft import stream_gate
+from vllm.k3_draft import protocol, stream_gate
 from vllm.k3_draft.deferred import (
     DeferredResolution,
     install_deferred_resolution,
@@ -509,6 +512,51 @@ def test_staging_slots_alternate_and_wait_for_their_reply(
         _propose(speculator, _batch(["a"], [3], start=60))
         _propose(speculator, _batch(["a"], [3], start=70))
     strategy.consume(lambda *args: None)
+
+
+# ------------------------------------------------------------ exit
+
+
+def test_a_pending_reply_does_not_delay_interpreter_exit(scripted_server, tmp_path):
+    """A child process returns from its main thread while the server holds
+    the PROPOSE answer (the child's RPC timeout is 10 min): it exits at once."""
+    flag = tmp_path / "propose_received"
+    received, answer = threading.Event(), threading.Event()
+
+    def held(header: dict[str, Any], frames: list[bytes]) -> list:
+        flag.touch()
+        received.set()
+        answer.wait(120)
+        return scripted_server.default(header, frames)
+
+    scripted_server.handlers[protocol.OP_PROPOSE] = held
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("k3_l3_pending_exit.py")),
+            scripted_server.address,
+            str(flag),
+        ],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "600000",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # Start-up (imports) may be slow; the exit after the PROPOSE is not.
+        received.wait(120)
+        out, _ = child.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
+    finally:
+        answer.set()
+    assert child.returncode == 0, out
+    assert "returns with a pending reply" in out
 
 
 # ------------------------------------------------------------ numerics

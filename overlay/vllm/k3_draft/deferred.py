@@ -49,9 +49,12 @@ position, no draft, cache rows untouched).
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
+import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -171,6 +174,48 @@ def extension_staging(extension: ProposeExtension) -> _ExtensionStaging | None:
     return None
 
 
+_Job = tuple[Future[None], Callable[[], None]]
+
+
+def _run_job(done: Future[None], job: Callable[[], None]) -> None:
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        job()
+    except BaseException as exc:
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
+
+
+def _run_jobs(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    while (item := jobs.get()) is not None:
+        _run_job(*item)
+        # Hold no job while waiting: it may keep the worker's owner alive.
+        del item
+
+
+class _ReplyWorker:
+    """One daemon thread that runs the submitted jobs in order. Interpreter
+    exit never waits for it: a pending reply is abandoned (its stream, if
+    parked, is gone with the process)."""
+
+    def __init__(self) -> None:
+        jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs = jobs
+        threading.Thread(
+            target=_run_jobs, args=(jobs,), name="k3-draft-reply", daemon=True
+        ).start()
+        # The thread ends once this worker is garbage.
+        weakref.finalize(self, jobs.put, None)
+
+    def submit(self, job: Callable[[], None]) -> Future[None]:
+        """Queue ``job``; the future completes when it returned or raised."""
+        done: Future[None] = Future()
+        self._jobs.put((done, job))
+        return done
+
+
 @dataclass
 class _Slot:
     """Rank 0's staging of one deferred reply: the draft tokens here, the
@@ -202,7 +247,7 @@ class DeferredResolution(ImmediateResolution):
         self._pending: _Pending | None = None
         self._slots: list[_Slot] = []
         self._next_slot = 0
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: _ReplyWorker | None = None
         # Same on every rank (the extensions are built from the same config).
         handles = [extension_staging(e) for e in speculator.extensions]
         self.deferrable = all(handle is not None for handle in handles)
@@ -219,7 +264,7 @@ class DeferredResolution(ImmediateResolution):
             )
             for index in range(NUM_STAGING_SLOTS)
         ]
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="k3-draft-reply")
+        self._worker = _ReplyWorker()
         lower_switch_interval(envs.VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US)
 
     @property
@@ -260,11 +305,12 @@ class DeferredResolution(ImmediateResolution):
             for handle in self._staging:
                 handle.prepare(slot.index)
             slot.reply.reset()
-            assert self._executor is not None
-            slot.done = self._executor.submit(
-                slot.reply.deliver,
-                lambda: self._fill(step, slot),
-                lambda exc: self._fail(step, slot, exc),
+            assert self._worker is not None
+            slot.done = self._worker.submit(
+                lambda: slot.reply.deliver(
+                    lambda: self._fill(step, slot),
+                    lambda exc: self._fail(step, slot, exc),
+                )
             )
         self._pending = _Pending(step, slot)
         return speculator.draft_tokens[: step.num_reqs]
