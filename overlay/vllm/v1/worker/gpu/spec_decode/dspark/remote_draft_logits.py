@@ -59,9 +59,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Logit of the tokens outside a top-k slice: the most negative finite bf16, so
-# exp((FILL - max) / T) is exactly 0 at every temperature without the NaN
-# hazards of -inf arithmetic.
+# Logit of the tokens outside a top-k slice: the most negative finite bf16.
+# exp((FILL - max) / T) is exactly 0 at every temperature; below T = 1,
+# FILL / T rounds to -inf in fp32, which is safe because every slot's largest
+# logit is finite and below 2**16 in magnitude (the codec refuses others).
 FILL = float(torch.finfo(torch.bfloat16).min)
 
 
