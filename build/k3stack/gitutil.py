@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def git_bytes(
         "tag.gpgsign=false",
         *args,
     ]
+    if shutil.which("git") is None:
+        raise StackError("git is not on PATH; the tooling needs git")
     proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
     if check and proc.returncode != 0:
         message = proc.stderr.decode("utf-8", "replace").strip().splitlines()

@@ -32,7 +32,7 @@ from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
 from k3stack.pin import Pin
 from k3stack.series import Layer, Stack, check_suites
-from k3stack.upstream import extract_sdist
+from k3stack.upstream import extract_sdist, require_tar_filters
 from k3stack.worktree import UPSTREAM_TAG, build_tree, layer_tag
 
 TEST_ENV = {
@@ -185,6 +185,7 @@ def pristine_site(python: str, wheel: Path, work: Path) -> Path:
 
 def export_tests(tree: Path, rev: str, dest: Path, paths: list[str]) -> None:
     """The upstream tests of ``rev`` (the tests/ tree and pyproject.toml)."""
+    require_tar_filters()
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import tarfile
 from pathlib import Path
 
@@ -12,8 +13,19 @@ from k3stack import StackError
 from k3stack.gitutil import git, git_bytes, is_work_tree
 
 
+def require_tar_filters() -> None:
+    """Refuse to extract anything on a Python without tarfile's extraction
+    filters (3.11.0 to 3.11.3 lack them)."""
+    if not hasattr(tarfile, "data_filter"):
+        raise StackError(
+            f"Python {platform.python_version()} has no tarfile extraction "
+            "filters; refused: run the tooling with Python 3.11.4 or later"
+        )
+
+
 def extract_sdist(sdist: Path, dest: Path) -> None:
     """Extract ``sdist`` into ``dest``, stripping its top-level folder."""
+    require_tar_filters()
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
         members = tar.getmembers()
@@ -44,6 +56,7 @@ def export_checkout(checkout: Path, dest: Path, commit: str | None = None) -> st
     With ``commit``, HEAD must be that commit (a prefix of its hash). Returns
     the full commit hash exported.
     """
+    require_tar_filters()
     if not is_work_tree(checkout):
         raise StackError(f"{checkout} is not a git checkout")
     head = git(checkout, "rev-parse", "HEAD")

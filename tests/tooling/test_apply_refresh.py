@@ -237,6 +237,26 @@ def test_a_failed_apply_leaves_the_existing_tree_as_it_was(
     assert git(filled.tree, "rev-parse", "HEAD") == head
 
 
+def test_apply_on_a_python_without_tar_filters_is_refused_naming_the_version(
+    filled: Synthetic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tarfile
+
+    head = git(filled.tree, "rev-parse", "HEAD")
+    monkeypatch.delattr(tarfile, "data_filter")
+    with pytest.raises(StackError, match="Python 3.11.4 or later"):
+        filled.apply()
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+
+
+def test_apply_without_git_on_path_says_git_is_needed(
+    filled: Synthetic, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git"))
+    with pytest.raises(StackError, match="git is not on PATH"):
+        filled.apply()
+
+
 def second_tree(syn: Synthetic) -> Synthetic:
     other = Synthetic(syn.root, syn.sdist, syn.wheel, syn.pin, syn.tree.with_name("b"))
     other.apply()
