@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -494,9 +495,7 @@ def test_failed_reply_yields_no_draft_and_disables_the_requests(
     assert all(speculator.plan.retained[r].stale for r in ("a", "b"))
 
 
-def test_staging_slots_alternate_and_wait_for_their_reply(
-    make_speculator, scripted_server
-):
+def test_staging_slots_alternate(make_speculator, scripted_server):
     speculator, _ = make_speculator(scripted_server.address)
     strategy = _deferred(speculator)
     used = []
@@ -512,6 +511,62 @@ def test_staging_slots_alternate_and_wait_for_their_reply(
         _propose(speculator, _batch(["a"], [3], start=60))
         _propose(speculator, _batch(["a"], [3], start=70))
     strategy.consume(lambda *args: None)
+
+
+def _slow_propose(scripted_server: Any, delay_s: float) -> None:
+    def slow(header: dict[str, Any], frames: list[bytes]) -> list:
+        time.sleep(delay_s)
+        return scripted_server.default(header, frames)
+
+    scripted_server.handlers[protocol.OP_PROPOSE] = slow
+
+
+def _non_blocking_gates(strategy: DeferredResolution) -> list[RecordingGate]:
+    """Give every staging slot a gate whose ``park`` returns at once, as on
+    CUDA: ``consume`` then no longer waits for the reply on the host."""
+    gates = []
+    for slot in strategy._slots:
+        gate = RecordingGate()
+        gates.append(gate)
+        slot.reply = stream_gate.ReplyGate(gate)
+    return gates
+
+
+def test_a_reused_staging_slot_waits_for_its_reply_thread(
+    make_speculator, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address, timeout_ms=5000)
+    strategy = _deferred(speculator)
+    gates = _non_blocking_gates(strategy)
+    _slow_propose(scripted_server, 0.3)
+    for step in range(3):  # step 2 reuses slot 0 while its reply may run
+        batch = _batch(["a"], [3], start=10 + 10 * step)
+        strategy.select_step(_runner_view(), batch)
+        _propose(speculator, batch)
+        strategy.consume(lambda *args: None)
+    strategy._drain()
+    # A parked stream that is never released never runs again.
+    for gate in gates:
+        assert gate.events.count("park") == gate.events.count("release")
+
+
+def test_a_synchronous_step_waits_for_the_pending_reply_thread(
+    make_speculator, scripted_server
+):
+    speculator, _ = make_speculator(scripted_server.address, timeout_ms=5000)
+    strategy = _deferred(speculator)
+    _non_blocking_gates(strategy)
+    _slow_propose(scripted_server, 0.3)
+    strategy.select_step(_runner_view(), _batch(["a"], [3], start=10))
+    _propose(speculator, _batch(["a"], [3], start=10))
+    strategy.consume(lambda *args: None)  # parks and returns at once
+    strategy.warmed = False  # the next step resolves synchronously
+    strategy.select_step(_runner_view(), _batch(["a"], [3], start=20))
+    drafts = _propose(speculator, _batch(["a"], [3], start=20)).clone()
+    strategy._drain()
+    # Its RPCs ran after the reply thread's, not beside them on one socket.
+    assert (drafts == 5).all()
+    assert not any(state.stale for state in speculator.plan.retained.values())
 
 
 # ------------------------------------------------------------ exit
