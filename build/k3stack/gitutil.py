@@ -13,6 +13,22 @@ from k3stack import StackError
 
 IDENTITY = ("vLLM K3 overlay", "k3-overlay@localhost")
 EPOCH = "1980-01-01T00:00:00+0000"
+# The caller's variables that would choose another repository or bring in
+# configuration and diff options of their own.
+SCRUBBED = (
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_COMMON_DIR",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_NAMESPACE",
+    "GIT_CONFIG",
+    "GIT_CONFIG_PARAMETERS",
+    "GIT_CONFIG_COUNT",
+    "GIT_DIFF_OPTS",
+    "GIT_EXTERNAL_DIFF",
+)
 
 
 def git(
@@ -38,7 +54,12 @@ def git_bytes(
     stdin: bytes | None = None,
 ) -> bytes:
     env = {
-        **os.environ,
+        k: v
+        for k, v in os.environ.items()
+        if k not in SCRUBBED
+        and not k.startswith(("GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"))
+    }
+    env |= {
         "GIT_CONFIG_NOSYSTEM": "1",
         "GIT_CONFIG_GLOBAL": os.devnull,
         "GIT_AUTHOR_NAME": IDENTITY[0],
@@ -48,8 +69,6 @@ def git_bytes(
         "GIT_AUTHOR_DATE": date,
         "GIT_COMMITTER_DATE": date,
     }
-    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
-        env.pop(var, None)
     cmd = [
         "git",
         "-c",
@@ -60,6 +79,8 @@ def git_bytes(
         "commit.gpgsign=false",
         "-c",
         "tag.gpgsign=false",
+        "-c",
+        f"core.attributesFile={os.devnull}",
         *args,
     ]
     if shutil.which("git") is None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -56,6 +57,7 @@ def read_layer(
     patch = parse_commit_message(git(tree, "log", "-1", "--format=%B", commit), where)
     diff = b""
     if upstream_paths:
+        # Every option the work tree's own git config could change is given.
         diff = git_bytes(
             tree,
             "diff",
@@ -63,6 +65,14 @@ def read_layer(
             "--no-renames",
             "--no-color",
             "--no-ext-diff",
+            "--no-textconv",
+            "--no-relative",
+            "--src-prefix=a/",
+            "--dst-prefix=b/",
+            "--diff-algorithm=myers",
+            "--indent-heuristic",
+            "--inter-hunk-context=0",
+            f"-O{os.devnull}",
             "-U3",
             parent,
             commit,

@@ -71,6 +71,31 @@ def test_refresh_gives_a_new_file_to_the_layer_that_added_it(filled: Synthetic) 
     assert (filled.root / "overlay/vllm/deferred.py").read_text() == "ON = True\n"
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "GIT_DIFF_OPTS=-u6",
+        "GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=diff.noprefix GIT_CONFIG_VALUE_0=true",
+        "GIT_CONFIG_PARAMETERS='diff.noprefix'='true'",
+        "tree config diff.noprefix=true",
+    ],
+)
+def test_refresh_writes_the_same_patch_whatever_the_callers_git_settings(
+    synthetic: Synthetic, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    model = UPSTREAM_FILES["vllm/model.py"].replace("return 20\n", "return 2000\n")
+    synthetic.amend(2, {"vllm/model.py": model})
+    if setting.startswith("tree config "):
+        key, value = setting.removeprefix("tree config ").split("=")
+        git(synthetic.tree, "config", key, value)
+    else:
+        for assignment in setting.split():
+            monkeypatch.setenv(*assignment.split("=", 1))
+    refresh(synthetic.stack(), synthetic.tree)
+    patch = (synthetic.root / "patches/0002-layer-2.patch").read_text()
+    assert "--- a/vllm/model.py\n+++ b/vllm/model.py\n@@ -59,7 +59,7 @@" in patch
+
+
 def test_refresh_refuses_a_layer_that_edits_a_lower_layers_file(
     filled: Synthetic,
 ) -> None:
