@@ -25,13 +25,19 @@ That is the order of ``ImmediateResolution`` (``speculator.publish``), so
 deferred and immediate resolution give the same draft state.
 
 Two staging slots alternate; a slot is reused only after its proposal was
-consumed and its reply thread returned. Rank 0 enqueues an extension's
-``publish`` before its reply may have arrived, so it must know at enqueue
-time which staging the reply thread's ``consume`` will fill: layer 3 drives
-that choice (``_ExtensionStaging``). An extension is deferral-safe when it
-declares ``deferral_safe`` and offers that choice (``DeferrableExtension``;
-layer 2's ``RemoteDraftLogits`` does); any other extension keeps the
-synchronous path.
+consumed and its reply thread returned. Its draft tokens need no copy event
+before they are refilled: the device copy that read them precedes, on the
+same stream, the staged inputs of the next deferred step (a proposal is
+consumed before the next is resolved), and that step's reply thread waits for
+those inputs (``exchange``) before the refilling one starts (replies run one
+at a time, in order).
+
+Rank 0 enqueues an extension's ``publish`` before its reply may have
+arrived, so it must know at enqueue time which staging the reply thread's
+``consume`` will fill: layer 3 drives that choice (``_ExtensionStaging``). An
+extension is deferral-safe when it declares ``deferral_safe`` and offers that
+choice (``DeferrableExtension``; layer 2's ``RemoteDraftLogits`` does); any
+other extension keeps the synchronous path.
 
 The reply thread needs the GIL between its blocking calls while the runner's
 Python prepares the next step; CPython hands it over only after its switch
