@@ -236,8 +236,17 @@ def check_imports(python: str, site: Path, modules: list[str]) -> list[str]:
         env=env,
     )
     if proc.returncode != 0:
-        return [proc.stderr.strip().splitlines()[-1]]
+        return [failure(proc, "the import check")]
     return [line for line in proc.stdout.splitlines() if line]
+
+
+def failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
+    """The last line a failed process wrote to stderr, or how ``what`` ended
+    (a process killed by a signal may write nothing)."""
+    lines = proc.stderr.strip().splitlines()
+    if lines:
+        return lines[-1]
+    return f"{what} ended with exit code {proc.returncode} and no message"
 
 
 def interpreter_key(python: str) -> bytes:
@@ -250,12 +259,12 @@ def interpreter_key(python: str) -> bytes:
         "for d in m.distributions()), sep='\\n')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([python, "-c", script], capture_output=True, env=env)
+    proc = subprocess.run(
+        [python, "-c", script], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
-        error = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        reason = error[-1] if error else f"exit code {proc.returncode}"
-        raise StackError(f"{python} does not run: {reason}")
-    return proc.stdout
+        raise StackError(f"{python} does not run: {failure(proc, 'it')}")
+    return proc.stdout.encode()
 
 
 def baseline(

@@ -16,7 +16,7 @@ from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
 from k3stack import StackError
 from k3stack.gitutil import git
-from k3stack.qualify import Row, baseline, qualify_layer
+from k3stack.qualify import Row, baseline, check_imports, qualify_layer
 from k3stack.refresh import refresh
 
 PYTHON = sys.executable
@@ -159,3 +159,16 @@ def test_a_pristine_run_that_dies_is_refused_and_not_cached(
     with pytest.raises(StackError, match="did not run to the end on pristine"):
         baseline(PYTHON, synthetic.tree, site0, ["tests/test_dies.py"], work, out)
     assert not list(work.glob("baseline-*.json"))
+
+
+def test_an_import_that_kills_the_interpreter_is_reported_as_such(
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    for module in ("__init__", "envs"):
+        (site / "vllm" / f"{module}.py").write_text("")
+    (site / "vllm/crash.py").write_text("import os\nos.abort()\n")
+    assert check_imports(PYTHON, site, ["vllm.crash"]) == [
+        "the import check ended with exit code -6 and no message"
+    ]
