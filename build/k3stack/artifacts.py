@@ -47,13 +47,16 @@ def tree_changes(tree: Path, rev: str) -> WheelChanges:
     )
     files: dict[str, bytes] = {}
     removed = set()
+    added = set()
     for line in out.splitlines():
         status, path = line.split("\t", 1)
         if status == "D":
             removed.add(path)
-        else:
-            files[path] = git_bytes(tree, "show", f"{rev}:{path}")
-    return WheelChanges(files, frozenset(removed))
+            continue
+        files[path] = git_bytes(tree, "show", f"{rev}:{path}")
+        if status == "A":
+            added.add(path)
+    return WheelChanges(files, frozenset(removed), frozenset(added))
 
 
 def _sha(data: bytes) -> str:

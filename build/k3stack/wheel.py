@@ -36,6 +36,7 @@ class WheelChanges:
 
     files: dict[str, bytes]  # site-packages relative path -> new content
     removed: frozenset[str]
+    added: frozenset[str]  # the paths of ``files`` that are new to the sdist
 
 
 def record_hash(data: bytes) -> str:
@@ -142,7 +143,11 @@ def _raw_entry(source, info: zipfile.ZipInfo) -> bytes:
 def build_wheel(
     upstream: Path, changes: WheelChanges, local_version: str, out_dir: Path
 ) -> Path:
-    """Write the patched wheel into ``out_dir`` and return its path."""
+    """Write the patched wheel into ``out_dir`` and return its path.
+
+    A file the stack adds to the sdist that the upstream wheel ships (a
+    built one) is refused before anything is written.
+    """
     with zipfile.ZipFile(upstream) as zf:
         infos = zf.infolist()
         dist_info = next(
@@ -163,6 +168,13 @@ def build_wheel(
             for i in infos
             if i.filename.startswith(dist_info + "/") and not i.filename.endswith("/")
         }
+    shadowed = sorted(changes.added & {i.filename for i in infos})
+    if shadowed:
+        raise StackError(
+            f"{shadowed[0]} is a new file of the stack, but the upstream wheel "
+            "ships it (built, not in the sdist); refused: a layer must not "
+            "replace it"
+        )
     metadata = meta_files["METADATA"].decode()
     if f"\nVersion: {version}\n" not in metadata:
         raise StackError(f"{dist_info}/METADATA has no 'Version: {version}' line")

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import Synthetic
 
+from k3stack import StackError
 from k3stack.artifacts import build, docker_build
 from k3stack.fetch import sha256_file
+from k3stack.gitutil import git
+from k3stack.refresh import refresh
 
 INSTALLER = Path(__file__).resolve().parents[2] / "build" / "k3stack" / "install.py"
 
@@ -159,3 +162,16 @@ def test_no_docker_engine_is_said_in_one_line(tmp_path: Path, monkeypatch) -> No
     assert message.startswith("docker: no engine answered")
     assert str(tmp_path) in message and "\n" not in message
     assert os.listdir(tmp_path) == []
+
+
+def test_a_new_file_at_a_path_only_the_upstream_wheel_ships_is_refused(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    synthetic.amend(1, {"vllm/_C.abi3.so": "not a binary\n"})
+    refresh(synthetic.stack(), synthetic.tree)
+    git(synthetic.root, "add", "-A")
+    git(synthetic.root, "commit", "-q", "-m", "overlay shadows a wheel file")
+    synthetic.apply()
+    with pytest.raises(StackError, match="vllm/_C.abi3.so is a new file .* wheel"):
+        build_into(synthetic, tmp_path / "dist")
+    assert list((tmp_path / "dist").iterdir()) == []
