@@ -19,8 +19,10 @@ from k3stack.pin import Artifact
 
 
 @pytest.fixture
-def index(synthetic: Synthetic) -> Iterator[str]:
-    """A PEP 691 index on loopback serving the synthetic sdist."""
+def index(synthetic: Synthetic, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A PEP 691 index on loopback serving the synthetic sdist, reached
+    directly whatever proxy the environment names."""
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
     sdist = synthetic.sdist.read_bytes()
 
     class Handler(http.server.BaseHTTPRequestHandler):
