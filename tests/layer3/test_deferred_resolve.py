@@ -125,6 +125,12 @@ def test_switch_zero_keeps_the_synchronous_path(
     assert type(speculator.resolution) is ImmediateResolution
 
 
+def test_switch_other_than_0_or_1_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_K3_DRAFT_DEFERRED_RESOLVE", "2")
+    with pytest.raises(ValueError, match="VLLM_K3_DRAFT_DEFERRED_RESOLVE"):
+        _ = envs.VLLM_K3_DRAFT_DEFERRED_RESOLVE
+
+
 @pytest.fixture
 def switch_interval():
     """The interpreter switch interval, restored after the test."""
