@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -163,6 +164,25 @@ def test_default_config_keeps_triton_for_fewer_rows(fused_verify, query_len, hea
 def test_gluon_kernel_runs_only_on_gpus(fused_verify):
     cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
     assert not fused_verify.runs_gluon_kernel(cache, torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize(("hip", "gluon"), [(None, True), ("6.4", False)])
+def test_gluon_kernel_runs_on_hopper_but_not_on_rocm(
+    fused_verify, monkeypatch, hip, gluon
+):
+    """ROCm reports its MI200/MI300 GPUs as capability 9.x, like Hopper."""
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    on_gpu = SimpleNamespace(
+        device=torch.device("cuda", 0),
+        dtype=cache.dtype,
+        shape=cache.shape,
+        stride=cache.stride,
+        element_size=cache.element_size,
+        data_ptr=lambda: 0,
+    )
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 4))
+    assert fused_verify.runs_gluon_kernel(on_gpu, torch.bfloat16, 64) is gluon
 
 
 @pytest.mark.parametrize(

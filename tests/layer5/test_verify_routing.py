@@ -180,6 +180,15 @@ def test_not_eligible_without_spec_decode_or_other_dims(
     assert b.reorder_batch_threshold == 1
 
 
+def test_rocm_keeps_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
+    assert _builder(model_dir, monkeypatch).k3_verify is None
+
+
 def test_dcp_verify_batches_are_decodes_on_the_fused_path(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

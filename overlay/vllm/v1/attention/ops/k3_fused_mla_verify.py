@@ -199,6 +199,8 @@ def _gluon_box_rows(
     """``_tma_box_rows`` where ``runs_gluon_kernel`` holds, else None."""
     if not (
         kv_cache.device.type == "cuda"
+        # ROCm reports gfx90a/gfx94x as capability 9.x as well.
+        and torch.version.hip is None
         and torch.cuda.get_device_capability(kv_cache.device)[0] == 9
         and kv_cache.dtype in (q_dtype, torch.float8_e4m3fn)
         and block_m == _MAX_BLOCK_M

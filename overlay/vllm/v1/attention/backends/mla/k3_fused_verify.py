@@ -79,7 +79,12 @@ def local_span(global_len: int, dcp_size: int, cp_interleave: int) -> int:
 
 
 def fused_verify_eligible(vllm_config: "VllmConfig", layer_names: list[str]) -> bool:
-    """Whether the builder of ``layer_names`` routes verify batches here."""
+    """Whether the builder of ``layer_names`` routes verify batches here
+    (never on ROCm: the kernels are proven on CUDA only)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm():
+        return False
     spec = vllm_config.speculative_config
     if spec is None or spec.num_speculative_tokens is None:
         return False
