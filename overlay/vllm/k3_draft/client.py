@@ -209,6 +209,12 @@ class DraftClient:
         self._socket.close(linger=0)
         self._socket = self._connect()
 
+    def _failed(self, op: str, exc: zmq.ZMQError) -> TransportError:
+        """The error of a failed round trip, after renewing the socket (a REQ
+        socket cannot send again until it has received)."""
+        self._renew()
+        return TransportError(f"{op} to the draft server {self.address} failed: {exc}")
+
     def call(
         self, op: str, frames: Sequence[Any] = (), **fields: Any
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
@@ -223,10 +229,7 @@ class DraftClient:
             self._socket.send_multipart(message, copy=False)
             reply = self._socket.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
-            self._renew()
-            raise TransportError(
-                f"{op} to the draft server {self.address} failed: {exc}"
-            ) from exc
+            raise self._failed(op, exc) from exc
         header = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
         return check_reply(header, op), reply[1:]
 
@@ -251,10 +254,7 @@ class DraftClient:
         try:
             self._socket.send(encode_header(request_header(OP_PING)))
         except zmq.ZMQError as exc:
-            self._renew()
-            raise TransportError(
-                f"PING to the draft server {self.address} failed: {exc}"
-            ) from exc
+            raise self._failed(OP_PING, exc) from exc
 
     def finish_handshake(
         self, needs: ServerRequirements, known_server_id: str | None, wait_ms: int
@@ -267,10 +267,7 @@ class DraftClient:
                 return None
             reply = self._socket.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
-            self._renew()
-            raise TransportError(
-                f"PING to the draft server {self.address} failed: {exc}"
-            ) from exc
+            raise self._failed(OP_PING, exc) from exc
         pong = check_reply(
             decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES), OP_PING
         )
