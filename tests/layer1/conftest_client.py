@@ -26,7 +26,13 @@ import pytest
 import torch
 import zmq
 from k3_layer1_server import free_tcp_port  # sibling module
-from toy_target import MAX_MODEL_LEN, DraftOracle, TokenTable, make_vllm_config
+from toy_target import (
+    MAX_MODEL_LEN,
+    DraftOracle,
+    TokenTable,
+    init_single_rank_world,
+    make_vllm_config,
+)
 
 from vllm.k3_draft import protocol
 
@@ -48,23 +54,12 @@ def vllm_config_factory(
 
 @pytest.fixture(scope="session")
 def tp_world(vllm_config_factory: Callable[..., Any]) -> Iterator[None]:
-    from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
     )
 
-    with set_current_vllm_config(vllm_config_factory()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
+    init_single_rank_world(vllm_config_factory())
     yield
     destroy_model_parallel()
     destroy_distributed_environment()

@@ -44,6 +44,29 @@ TIE_TOLERANCE = 1e-4
 _MASK64 = (1 << 64) - 1
 
 
+def init_single_rank_world(config: Any) -> None:
+    """vLLM's distributed state as one gloo rank (TP and PP of 1) under
+    ``config``; undo with ``destroy_model_parallel`` and
+    ``destroy_distributed_environment``."""
+    from k3_layer1_server import free_tcp_port
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+
+
 def make_vllm_config(
     root: Path,
     method: str = "dflash",

@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from k3_layer1_server import free_tcp_port
 from test_deferred_resolve import _batch, _deferred, _propose, _runner_view
-from toy_target import MAX_MODEL_LEN, TokenTable, make_vllm_config
-
-from vllm.config import set_current_vllm_config
-from vllm.distributed.parallel_state import (
-    init_distributed_environment,
-    initialize_model_parallel,
+from toy_target import (
+    MAX_MODEL_LEN,
+    TokenTable,
+    init_single_rank_world,
+    make_vllm_config,
 )
+
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     RemoteK3DSparkSpeculator,
 )
@@ -30,15 +29,7 @@ from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
 
 def main(address: str, flag: Path) -> None:
     config = make_vllm_config(flag.parent)
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
+    init_single_rank_world(config)
     rows = config.scheduler_config.max_num_seqs
     table = TokenTable(torch.full((rows, MAX_MODEL_LEN), -7, dtype=torch.int32))
     speculator = RemoteK3DSparkSpeculator(
