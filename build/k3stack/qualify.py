@@ -200,9 +200,11 @@ def export_tests(tree: Path, rev: str, dest: Path, paths: list[str]) -> None:
 
 
 def of_files(test_id: str, files: list[str]) -> bool:
-    """Whether a JUnit test id (``dotted.module[.Class]::name``) is a test of
-    one of ``files``."""
-    classname = test_id.split("::", 1)[0]
+    """Whether a JUnit test id (``dotted.module[.Class]::name``, or
+    ``::dotted.module`` for a module skipped or not collected whole) is a test
+    of one of ``files``."""
+    classname, _, name = test_id.partition("::")
+    classname = classname or name
     modules = [f.removesuffix(".py").replace("/", ".") for f in files]
     return any(classname == m or classname.startswith(f"{m}.") for m in modules)
 

@@ -105,7 +105,33 @@ def test_an_upstream_file_that_cannot_be_collected_hides_no_regression_in_anothe
     filled.apply(sdist=sdist)
     row = qualify_layer_3(filled, tmp_path, site0)
     assert not row.ok
-    assert "regression: tests.test_model::test_step_one" in row.notes
+    assert [n for n in row.notes if n.startswith("regression")] == [
+        "regression: tests.test_model::test_step_one"
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import pytest\npytest.skip('CUDA required', allow_module_level=True)\n",
+        "import no_such_hub_module\n",
+    ],
+    ids=["skipped", "not-collected"],
+)
+def test_a_file_skipped_or_not_collected_on_pristine_and_layer_is_no_regression(
+    filled: Synthetic, tmp_path: Path, text: str
+) -> None:
+    files = {**UPSTREAM_FILES, "tests/test_needs_cuda.py": text}
+    sdist = make_sdist(tmp_path / "vllm-1.0-cuda.tar.gz", files)
+    patch = filled.root / "patches/0003-layer-3.patch"
+    patch.write_text(
+        patch.read_text().replace(
+            "Upstream-Tests:\n", "Upstream-Tests:\n tests/test_needs_cuda.py\n"
+        )
+    )
+    site0 = prepare(filled, tmp_path, sdist)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert row.ok, row.notes
 
 
 def test_a_test_passing_on_pristine_that_no_longer_runs_is_a_regression(
