@@ -103,8 +103,9 @@ def is_work_tree(path: Path) -> bool:
 
 def dirty_paths(path: Path, *pathspec: str) -> list[str]:
     """Uncommitted paths in a work tree: staged, unstaged, untracked, and new
-    files its .gitignore matches (a plain ``git add`` skips those, so they
-    would be lost); Python's bytecode caches aside."""
+    files under ``vllm/`` that its .gitignore matches (a plain ``git add``
+    skips those, so they would be lost), but not Python's bytecode caches nor
+    dot-files (editor and tool state)."""
     out = git(
         path,
         "status",
@@ -116,8 +117,20 @@ def dirty_paths(path: Path, *pathspec: str) -> list[str]:
         "--",
         *pathspec,
     )
-    paths = [entry[3:] for entry in out.split("\0") if entry]
-    return [p for p in paths if not _bytecode(p)]
+    paths = []
+    for entry in filter(None, out.split("\0")):
+        state, rel = entry[:2], entry[3:]
+        if _bytecode(rel) or (state == "!!" and not _overlay_source(rel)):
+            continue
+        paths.append(rel)
+    return paths
+
+
+def _overlay_source(rel: str) -> bool:
+    """Whether an ignored path could be a maintainer's new source file: under
+    ``vllm/`` (the only place a layer's new files live) and no dot-file."""
+    parts = rel.rstrip("/").split("/")
+    return parts[0] == "vllm" and not any(part.startswith(".") for part in parts)
 
 
 def _bytecode(path: str) -> bool:

@@ -34,7 +34,7 @@ UPSTREAM_FILES = {
     "pyproject.toml": "[project]\nname = 'vllm'\n",
     # Released in the sdist but matched by its .gitignore, as in vLLM's
     # (whose patterns also match new files a maintainer may add, like *.csv).
-    ".gitignore": "vllm/_version.py\n*.csv\n",
+    ".gitignore": "vllm/_version.py\n*.csv\n*.swp\n.pytest_cache/\nbuild/\n",
     "vllm/_version.py": "__version__ = '1.0'\n",
 }
 

@@ -173,6 +173,17 @@ def test_apply_replaces_a_tree_that_holds_only_new_bytecode_caches(
     assert not cache.exists()
 
 
+def test_apply_replaces_a_tree_that_holds_only_ignored_tool_and_editor_files(
+    filled: Synthetic,
+) -> None:
+    state = ["build/lib/vllm/model.py", ".pytest_cache/README.md", "vllm/.model.py.swp"]
+    for rel in state:
+        (filled.tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (filled.tree / rel).write_text("state\n")
+    filled.apply()
+    assert not any((filled.tree / rel).exists() for rel in state)
+
+
 def test_refresh_refuses_a_new_file_that_a_plain_git_add_skipped(
     filled: Synthetic,
 ) -> None:
