@@ -5,11 +5,13 @@
 import logging
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
 import zmq.auth
 from k3_layer1_server import free_tcp_port
+from zmq.auth.thread import AuthenticationThread
 
 from vllm.entrypoints.k3_dspark_standalone import check_memory_plan, parse_args, run
 from vllm.k3_draft.reference_engine import ReferenceEngine
@@ -187,3 +189,23 @@ def test_rpc_address_in_use_is_refused_in_one_line(caplog):
         caplog.text
     )
     assert "Traceback" not in caplog.text
+
+
+def test_curve_key_gone_before_bind_is_refused_in_one_line(tmp_path, caplog):
+    (tmp_path / "clients").mkdir()
+    _, secret = zmq.auth.create_certificates(str(tmp_path), "server")
+    zmq.auth.create_certificates(str(tmp_path / "clients"), "client")
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    args = parse_args(
+        BASE
+        + ["--status-port", str(free_tcp_port()), "--address", address]
+        + ["--curve-secret-key", secret]
+        + ["--curve-authorized-keys", str(tmp_path / "clients")]
+    )
+    Path(secret).unlink()
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    assert f"Refusing to serve: cannot bind {address}: " in caplog.text
+    assert "Traceback" not in caplog.text
+    # The ZAP authenticator started for the socket was stopped with it.
+    assert not [t for t in threading.enumerate() if isinstance(t, AuthenticationThread)]

@@ -359,7 +359,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
     )
     try:
         transport.bind()
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, ValueError, OSError) as exc:
+        # The address, or CURVE keys that no longer load (changed on disk
+        # since start-up read them).
         logger.error("Refusing to serve: cannot bind %s: %s", args.address, exc)
         transport.close()
         status.stop()

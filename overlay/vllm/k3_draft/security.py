@@ -156,8 +156,12 @@ def secure_socket(
         return None
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
-    authenticator.configure_curve(domain="*", location=curve.authorized_keys_dir)
-    make_curve_server(socket, curve)
+    try:
+        authenticator.configure_curve(domain="*", location=curve.authorized_keys_dir)
+        make_curve_server(socket, curve)
+    except BaseException:
+        authenticator.stop()
+        raise
     return authenticator
 
 
