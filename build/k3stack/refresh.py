@@ -60,6 +60,8 @@ def read_layer(
         # Every option the work tree's own git config could change is given.
         diff = git_bytes(
             tree,
+            "-c",
+            "diff.suppressBlankEmpty=false",
             "diff",
             "--full-index",
             "--no-renames",

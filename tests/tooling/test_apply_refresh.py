@@ -78,6 +78,7 @@ def test_refresh_gives_a_new_file_to_the_layer_that_added_it(filled: Synthetic) 
         "GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=diff.noprefix GIT_CONFIG_VALUE_0=true",
         "GIT_CONFIG_PARAMETERS='diff.noprefix'='true'",
         "tree config diff.noprefix=true",
+        "tree config diff.suppressBlankEmpty=true",
     ],
 )
 def test_refresh_writes_the_same_patch_whatever_the_callers_git_settings(
