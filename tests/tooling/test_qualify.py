@@ -58,6 +58,18 @@ def change_layer_3(syn: Synthetic, edit: dict[str, str]) -> None:
     syn.apply()
 
 
+def with_upstream_test(syn: Synthetic, tmp_path: Path, name: str, text: str) -> Path:
+    """An sdist with one more upstream test file ``name``, listed among layer
+    3's upstream tests."""
+    files = {**UPSTREAM_FILES, name: text}
+    sdist = make_sdist(tmp_path / "vllm-1.0-extra.tar.gz", files)
+    patch = syn.root / "patches/0003-layer-3.patch"
+    patch.write_text(
+        patch.read_text().replace("Upstream-Tests:\n", f"Upstream-Tests:\n {name}\n")
+    )
+    return sdist
+
+
 def test_an_upstream_run_that_dies_fails_rather_than_reading_the_last_runs_xml(
     filled: Synthetic, tmp_path: Path
 ) -> None:
@@ -86,15 +98,8 @@ def test_an_upstream_run_that_is_interrupted_fails(
 def test_an_upstream_file_that_cannot_be_collected_hides_no_regression_in_another(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    files = dict(UPSTREAM_FILES)
-    files["tests/test_aaa_needs_hub.py"] = "import no_such_hub_module\n"
-    sdist = make_sdist(tmp_path / "vllm-1.0-hub.tar.gz", files)
-    patch = filled.root / "patches/0003-layer-3.patch"
-    patch.write_text(
-        patch.read_text().replace(
-            "Upstream-Tests:\n",
-            "Upstream-Tests:\n tests/test_aaa_needs_hub.py\n",
-        )
+    sdist = with_upstream_test(
+        filled, tmp_path, "tests/test_aaa_needs_hub.py", "import no_such_hub_module\n"
     )
     site0 = prepare(filled, tmp_path, sdist)
     model = UPSTREAM_FILES["vllm/model.py"].replace("return 1\n", "return -1\n", 1)
@@ -121,14 +126,7 @@ def test_an_upstream_file_that_cannot_be_collected_hides_no_regression_in_anothe
 def test_a_file_skipped_or_not_collected_on_pristine_and_layer_is_no_regression(
     filled: Synthetic, tmp_path: Path, text: str
 ) -> None:
-    files = {**UPSTREAM_FILES, "tests/test_needs_cuda.py": text}
-    sdist = make_sdist(tmp_path / "vllm-1.0-cuda.tar.gz", files)
-    patch = filled.root / "patches/0003-layer-3.patch"
-    patch.write_text(
-        patch.read_text().replace(
-            "Upstream-Tests:\n", "Upstream-Tests:\n tests/test_needs_cuda.py\n"
-        )
-    )
+    sdist = with_upstream_test(filled, tmp_path, "tests/test_needs_cuda.py", text)
     site0 = prepare(filled, tmp_path, sdist)
     row = qualify_layer_3(filled, tmp_path, site0)
     assert row.ok, row.notes
