@@ -83,9 +83,12 @@ def git_bytes(
         f"core.attributesFile={os.devnull}",
         *args,
     ]
-    if shutil.which("git") is None:
-        raise StackError("git is not on PATH; the tooling needs git")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
+    except FileNotFoundError:
+        if shutil.which("git") is not None:
+            raise  # the working directory, not git, is missing
+        raise StackError("git is not on PATH; the tooling needs git") from None
     if check and proc.returncode != 0:
         message = proc.stderr.decode("utf-8", "replace").strip().splitlines()
         raise StackError(
