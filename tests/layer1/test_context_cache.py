@@ -20,6 +20,8 @@ LIMITS = DraftLimits(
     window_size=64,
     prefix_cache_tokens=96,
 )
+# The server's rewind bound for LIMITS (the block size).
+MAX_REWIND = 16
 
 
 def make_cache(budget: int = 8) -> ContextCache:
@@ -69,7 +71,13 @@ def test_coverage_starts_at_the_later_of_start_and_high_minus_budget():
     assert covered_start(start=5, high=500, budget=96) == 404
 
 
-def plan(source: RequestState, prefix_end: int, request_id: str = "new", free=1):
+def plan(
+    source: RequestState,
+    prefix_end: int,
+    request_id: str = "new",
+    free: int = 1,
+    max_rewind: int = MAX_REWIND,
+):
     header = {
         "protocol": 2,
         "op": "RECONNECT",
@@ -77,12 +85,19 @@ def plan(source: RequestState, prefix_end: int, request_id: str = "new", free=1)
         "request_id": request_id,
         "prefix_end": prefix_end,
     }
-    return plan_reconnect(header, {"src": source}, free, LIMITS)
+    return plan_reconnect(header, {"src": source}, free, LIMITS, max_rewind)
 
 
-def test_restore_starts_at_the_block_aligned_window_start():
+def test_restore_starts_at_the_window_of_the_earliest_rewound_anchor():
+    # A rewind to 134 resending one row anchors at 135: window [71, 135).
     result = plan(RequestState(0, 0, 160, 160), prefix_end=150)
-    assert result.restored_start == 80
+    assert result.restored_start == 71
+
+
+def test_restore_without_rewinds_starts_one_window_before_prefix_end():
+    for max_rewind in (0, 1):
+        source = RequestState(0, 0, 160, 160)
+        assert plan(source, 150, max_rewind=max_rewind).restored_start == 86
 
 
 def test_restore_starts_no_earlier_than_the_source_start():
@@ -95,20 +110,20 @@ def test_restore_of_a_short_prefix_starts_at_zero():
 
 
 def test_uncovered_restore_is_refused():
-    # budget 96: rows [404, 500) are cached; prefix_end 460 needs 384.
+    # budget 96: rows [404, 500) are cached; prefix_end 460 needs 381.
     with pytest.raises(ProtocolError, match="not covered"):
         plan(RequestState(0, 0, 500, 500), prefix_end=460)
 
 
 def test_restore_one_position_before_the_cached_rows_is_refused():
-    # budget 96: rows [401, 497) are cached; prefix_end 464 needs 400.
+    # budget 96: rows [386, 482) are cached; prefix_end 464 needs 385.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 497, 497), prefix_end=464)
+        plan(RequestState(0, 0, 482, 482), prefix_end=464)
 
 
 def test_restore_from_the_first_cached_row_is_accepted():
-    # budget 96: rows [400, 496) are cached; prefix_end 464 needs 400.
-    assert plan(RequestState(0, 0, 496, 496), prefix_end=464).restored_start == 400
+    # budget 96: rows [385, 481) are cached; prefix_end 464 needs 385.
+    assert plan(RequestState(0, 0, 481, 481), prefix_end=464).restored_start == 385
 
 
 def test_rows_overwritten_after_a_rewind_do_not_count_as_covered():

@@ -286,7 +286,7 @@ def test_reconnect_reproduces_the_source_proposal(server):
     reply = call(
         server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=100
     )
-    assert reply["restored_start"] == 32 and reply["prefix_end"] == 100
+    assert reply["restored_start"] == 21 and reply["prefix_end"] == 100
     assert propose(server, [entry("dst", 100)])["tokens"] == expected
 
 
@@ -299,11 +299,53 @@ def test_reconnect_to_a_shorter_prefix_matches_a_request_that_stopped_there(serv
     assert propose(server, [entry("dst", 70)])["tokens"] == ref
 
 
+def test_rewind_after_reconnect_drafts_as_a_request_given_the_whole_history(server):
+    # B reconnects from A at 128, then rewinds as far as the server allows
+    # (16 positions, the block size): an anchor at 113 attends [49, 113). A
+    # fresh server given B's 128 rows directly must draft the same tokens.
+    history = torch.randn(160, WIDTH, generator=torch.Generator().manual_seed(3))
+
+    def send(target: DraftServer, rid: str, first: int, anchor: int, reset=False):
+        request = entry(rid, anchor, anchor - first, reset, first if reset else 0)
+        header = protocol.request_header(
+            "PROPOSE", num_speculative_tokens=4, requests=[request]
+        )
+        reply = target.handle(
+            [
+                protocol.encode_header(header),
+                protocol.tensor_frame(torch.arange(first, anchor)),
+                protocol.tensor_frame(history[first:anchor].bfloat16()),
+            ]
+        )
+        return json.loads(bytes(reply[0]))["tokens"]
+
+    fresh_engine = ReferenceEngine(
+        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    fresh_engine.load()
+    fresh = DraftServer(fresh_engine)
+    send(server, "A", 0, 160, reset=True)
+    assert server.max_rewind == 16
+    for first in range(112, 128):
+        for anchor in (first + 1, 128):
+            call(
+                server,
+                "RECONNECT",
+                source_request_id="A",
+                request_id="B",
+                prefix_end=128,
+            )
+            send(fresh, "B", 0, 128, reset=True)
+            expected = send(fresh, "B", first, anchor)
+            got = send(server, "B", first, anchor)
+            assert got == expected, f"rewind to {first}, anchor {anchor}"
+
+
 def test_reconnect_leaves_the_source_unchanged(server):
     propose(server, [entry("src", 100, 100, reset=True)])
     before = state(server)["src"]
     call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=80)
-    assert state(server)["src"] == before and state(server)["dst"][1:] == (16, 80, 80)
+    assert state(server)["src"] == before and state(server)["dst"][1:] == (1, 80, 80)
 
 
 def test_reconnect_of_an_uncovered_prefix_is_an_error(server):

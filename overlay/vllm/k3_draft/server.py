@@ -334,6 +334,7 @@ class DraftServer:
                 self.requests,
                 self.allocator.num_free,
                 self.limits,
+                self.max_rewind,
             )
         except ProtocolError:
             self.stats.reconnect_failures += 1

@@ -34,7 +34,12 @@ _ENVELOPE = frozenset({"protocol", "op"})
 @dataclass
 class RequestState:
     """A retained request: its slot, valid positions ``[start, end)`` and the
-    high-water mark ``high`` of positions written (``high >= end``)."""
+    high-water mark ``high`` of positions written (``high >= end``).
+
+    A PROPOSE attends the window before its anchor from ``start`` on; after a
+    RECONNECT, ``start`` is where the restored rows begin, early enough for
+    every window a PROPOSE the server still accepts can reach (see
+    ``plan_reconnect``)."""
 
     slot: int
     start: int
@@ -266,7 +271,7 @@ class ReconnectPlan:
     request_id: str
     prefix_end: int
     # Restored valid positions are [restored_start, prefix_end), K/V rebuilt
-    # for all of them (a later PROPOSE may rewind into the window's start).
+    # for all of them.
     restored_start: int
 
 
@@ -275,8 +280,18 @@ def plan_reconnect(
     requests: Mapping[str, RequestState],
     num_free_slots: int,
     limits: DraftLimits,
+    max_rewind: int,
 ) -> ReconnectPlan:
-    """Validate a RECONNECT against the request table."""
+    """Validate a RECONNECT against the request table.
+
+    The restore starts at the window of the earliest anchor a later PROPOSE
+    may have (a rewind of ``max_rewind`` that resends one row:
+    ``prefix_end - window - (max_rewind - 1)``), or at the source's start, so
+    the restored request drafts as the source would; the source's context
+    cache must hold it. That is at most ``window + block - 1`` positions (the
+    ring's reach less one) and at most ``prefix_cache_tokens``, as
+    ``max_rewind`` is bounded by both.
+    """
     check_fields(header, frozenset({"source_request_id", "request_id", "prefix_end"}))
     source_id = request_id(header.get("source_request_id"), "source_request_id")
     rid = request_id(header.get("request_id"))
@@ -291,9 +306,8 @@ def plan_reconnect(
         )
     if rid not in requests and num_free_slots == 0:
         raise ProtocolError("no free slot for the reconnected request")
-    window_start = max(0, prefix_end - limits.window_size)
-    aligned = window_start // limits.block_size * limits.block_size
-    restored_start = max(aligned, source.start)
+    earliest_anchor = prefix_end - max(max_rewind - 1, 0)
+    restored_start = max(earliest_anchor - limits.window_size, source.start)
     cached = covered_start(source.start, source.high, limits.prefix_cache_tokens)
     if restored_start < cached:
         raise ProtocolError(
