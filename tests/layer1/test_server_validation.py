@@ -357,6 +357,18 @@ def test_reconnect_of_an_uncovered_prefix_is_an_error(server):
     assert "not covered" in error_of(reply) and "d" not in server.requests
 
 
+def test_reconnect_carrying_a_frame_counts_as_a_reconnect_failure(server):
+    propose(server, [entry("src", 100, 100, reset=True)])
+    before = state(server)
+    header = protocol.request_header(
+        "RECONNECT", source_request_id="src", request_id="dst", prefix_end=80
+    )
+    reply = server.handle([protocol.encode_header(header), b"\0" * 8])
+    assert "carries 1 tensor frames" in error_of(json.loads(reply[0]))
+    assert server.snapshot()["reconnect_failures"] == 1
+    assert state(server) == before
+
+
 def test_stats_count_requests_and_errors_by_op(server):
     call(server, "PING")
     call(server, "NOPE")

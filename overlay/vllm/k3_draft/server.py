@@ -327,8 +327,8 @@ class DraftServer:
 
     def _reconnect(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
         start = time.perf_counter()
-        check_frame_count(frames, 0, OP_RECONNECT)
         try:
+            check_frame_count(frames, 0, OP_RECONNECT)
             plan = plan_reconnect(
                 header,
                 self.requests,
