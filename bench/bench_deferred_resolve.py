@@ -1,23 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Deferred resolution (layer 3) on one GPU: step period synchronous vs
-deferred, and the stream gate's overhead. Self-contained: torch, pyzmq and
-``vllm/k3_draft/stream_gate.py`` loaded by file path (no vllm needed).
+deferred, and the stream gate's overhead. Runs without vllm: torch, pyzmq,
+``overlay/`` on ``PYTHONPATH`` (layer 1's ``vllm.k3_draft``) and
+``vllm/k3_draft/stream_gate.py`` loaded by file path.
 
-A synthetic step has GPU work ``T`` (``torch.cuda._sleep``), host preparation
-``H`` (a host spin in Python, holding the GIL as the runner's own Python does)
-and a draft round trip ``L`` to a ZeroMQ REP server in its own process that
-answers after ``L`` ms with K token ids. The round trip also does ``C`` of
-Python work holding the GIL (half before the send: plan and header; half after
-the receive: reply checks), as the speculator's ``exchange`` does:
+A synthetic step has GPU work ``T`` (``torch.cuda._sleep``) and host
+preparation ``H`` (a host spin in Python, holding the GIL as the runner's own
+Python does). Its draft round trip is the product's: layer 1's ``RemotePlan.run``
+(the plan, the gather of 4 context rows of 3 x 7168 bf16 per request, the
+header, the reply's decode and checks; 8 requests, K = 3) against a real
+``DraftServer`` behind layer 1's ``RpcTransport`` in its own process, whose
+engine has no model and answers each PROPOSE after ``L`` ms (the injected
+delay). So the reply thread's own Python work is the plan's, not a model of it.
 
 * synchronous: prep H, copy the draft in, GPU work T, wait for the step's
-  output, then the round trip on the host: period ~ H + T + L + C;
+  output, then the round trip on the host;
 * deferred, as layer 3 runs it: after the step's output, the round trip is
   submitted to one long-lived reply thread (a one-worker executor) that fills
   pinned staging and releases the gate; the host prepares the next step at
   once, parks the stream behind the gate, then enqueues the staging copy and
-  the GPU work: period ~ T + max(H, L + C) when the two threads interleave.
+  the GPU work.
 
 The reply thread needs the GIL between its blocking calls while the host
 thread runs Python, so the grid repeats over interpreter switch intervals
@@ -27,10 +30,11 @@ Reported per (T, H, L, switch interval): period p50 of both (ms), the time
 saved and the hidden fraction ``saved / min(L, H)`` (1.0: all overlappable
 time hidden), also with each mode's measured GPU time taken out of its period
 (``torch.cuda._sleep`` counts cycles, and the SM clock differs between the
-modes); and the gate's release-to-kernel-done p50/p99 against an
-ungated launch (us).
+modes); the synchronous round trip p50 (``L`` plus transport, server and plan
+work); and the gate's release-to-kernel-done p50/p99 against an ungated
+launch (us).
 
-Usage::
+Usage (``PYTHONPATH=overlay``)::
 
     python bench/bench_deferred_resolve.py --steps 60 --out deferred.json \
         [--switch-interval-us 5000 50]
@@ -44,18 +48,34 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
+import numpy as np
 import torch
-import zmq
+from bench_remote_rpc import ROWS_PER_REQUEST, WIDTH, K
+
+from vllm.entrypoints.k3_dspark_rpc import RpcTransport
+from vllm.k3_draft.client import DraftClient, ServerRequirements
+from vllm.k3_draft.engine import (
+    DraftEngine,
+    DraftLimits,
+    EngineSpec,
+    MemoryPlan,
+    ProposeBatch,
+    ProposeOutput,
+)
+from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest
+from vllm.k3_draft.server import DraftServer
 
 GATE_PATH = Path(__file__).resolve().parents[1] / "overlay/vllm/k3_draft/stream_gate.py"
-K = 3
 NUM_REQS = 8
+VOCAB_SIZE = 163_840
+MAX_MODEL_LEN = 1 << 24
 
 
 def load_stream_gate(path: Path) -> types.ModuleType:
@@ -67,20 +87,103 @@ def load_stream_gate(path: Path) -> types.ModuleType:
     return module
 
 
-def delay_server(address: str, ready: EventType) -> None:
-    """REP loop: a request is the delay in ms; the reply K int64 ids per
-    request, sent after that delay."""
-    socket = zmq.Context().socket(zmq.REP)
-    socket.bind(address)
-    ready.set()
-    reply = torch.arange(NUM_REQS * K, dtype=torch.int64).numpy().tobytes()
-    while True:
-        message = socket.recv()
-        if message == b"stop":
-            socket.send(b"")
-            return
-        spin(float(message))
-        socket.send(reply)
+class DelayEngine(DraftEngine):
+    """No model: drafts each request's anchor K times after ``delay_ms`` of
+    host spin (the injected round trip ``L``)."""
+
+    def __init__(self, delay_ms: float) -> None:
+        self.delay_ms = delay_ms
+        self.device = torch.device("cpu")
+        self.spec = EngineSpec(
+            method="dspark",
+            vocab_size=VOCAB_SIZE,
+            context_width=WIDTH,
+            hidden_size=1024,
+            supports_logits=False,
+            query_kv_overhang=0,
+        )
+        self.limits = DraftLimits(
+            max_requests=2 * NUM_REQS,
+            max_batch_size=NUM_REQS,
+            max_speculative_tokens=K,
+            max_context_tokens=NUM_REQS * ROWS_PER_REQUEST,
+            max_model_len=MAX_MODEL_LEN,
+            block_size=16,
+            window_size=64,
+            prefix_cache_tokens=128,
+        )
+
+    def memory_plan(self) -> MemoryPlan:
+        return MemoryPlan(0, 0, 0, 0)
+
+    def load(self) -> None:
+        pass
+
+    def capture_cuda_graphs(self) -> list[tuple[int, int]]:
+        return []
+
+    def propose(self, batch: ProposeBatch) -> ProposeOutput:
+        spin(self.delay_ms)
+        anchors = torch.tensor(batch.anchor_token_ids, dtype=torch.int64)
+        tokens = anchors[:, None].expand(-1, batch.num_speculative_tokens)
+        timings = {"context": 0.0, "query": self.delay_ms}
+        return ProposeOutput(
+            tokens.contiguous(), None, {**timings, "device_wait": 0.0, "copy_back": 0.0}
+        )
+
+    def restore(self, src_slot: int, dst_slot: int, start: int, end: int) -> None:
+        raise NotImplementedError("the benchmark never reconnects")
+
+
+def delay_server(address: str, delay_ms: float, ready: EventType) -> None:
+    """Layer 1's server and transport on ``address`` over a ``DelayEngine``;
+    runs until the process is terminated."""
+    transport = RpcTransport(DraftServer(DelayEngine(delay_ms)), address, None)
+    transport.bind()
+    transport.serve(threading.Event(), ready.set)
+
+
+class Drafter:
+    """The verifier's half: a ``RemotePlan`` on one delay server, stepping
+    the same ``NUM_REQS`` requests by ``ROWS_PER_REQUEST`` positions."""
+
+    def __init__(self, address: str) -> None:
+        self.client = DraftClient(address, 5000)
+        needs = ServerRequirements(
+            method="dspark",
+            capabilities=frozenset(),
+            context_width=WIDTH,
+            vocab_size=VOCAB_SIZE,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=NUM_REQS,
+            num_speculative_tokens=K,
+            max_num_batched_tokens=NUM_REQS * ROWS_PER_REQUEST,
+        )
+        self.plan = RemotePlan(self.client, needs)
+        self.plan.connect()
+        # Pinned, as the runner stages them from the device.
+        rows = torch.randn(NUM_REQS * ROWS_PER_REQUEST, WIDTH).bfloat16()
+        self.rows = rows.pin_memory() if torch.cuda.is_available() else rows
+        self.position = 0
+        self.failures = 0
+
+    def round_trip(self) -> np.ndarray:
+        requests = [
+            StepRequest(
+                request_id=f"r{i}",
+                first_position=self.position,
+                num_context=ROWS_PER_REQUEST,
+                anchor_token_id=11 + i,
+                row_offset=i * ROWS_PER_REQUEST,
+                tokens=None,
+            )
+            for i in range(NUM_REQS)
+        ]
+        result = self.plan.run(StepInputs(requests, K, self.rows))
+        self.position += ROWS_PER_REQUEST
+        if (result.tokens < 0).any():
+            self.failures += 1
+        return result.tokens
 
 
 def spin(ms: float) -> None:
@@ -93,18 +196,11 @@ class Step:
     """The synthetic verifier step and its draft round trip."""
 
     def __init__(
-        self,
-        address: str,
-        t_ms: float,
-        h_ms: float,
-        l_ms: float,
-        c_ms: float,
-        cycles_per_ms: float,
+        self, drafter: Drafter, t_ms: float, h_ms: float, cycles_per_ms: float
     ) -> None:
-        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
-        self.socket.connect(address)
+        self.drafter = drafter
         self.t_cycles = int(t_ms * cycles_per_ms)
-        self.h_ms, self.l_ms, self.c_ms = h_ms, l_ms, c_ms
+        self.h_ms = h_ms
         self.staging = torch.zeros(NUM_REQS, K, dtype=torch.int64, pin_memory=True)
         self.drafts = torch.zeros(NUM_REQS, K, dtype=torch.int64, device="cuda")
         self.kernel_start = torch.cuda.Event(enable_timing=True, blocking=True)
@@ -112,15 +208,17 @@ class Step:
         # Measured duration (ms) of each step's GPU work: torch.cuda._sleep
         # counts clock cycles and the SM clock differs between the two modes.
         self.kernel_ms: list[float] = []
+        # Durations of the round trips (s), on whichever thread ran them.
+        self.round_trips: list[float] = []
 
     def round_trip(self) -> None:
-        spin(self.c_ms / 2)
-        self.socket.send(str(self.l_ms).encode())
-        reply = self.socket.recv()
-        spin(self.c_ms / 2)
-        self.staging.copy_(
-            torch.frombuffer(bytearray(reply), dtype=torch.int64).view(NUM_REQS, K)
-        )
+        start = time.perf_counter()
+        self.staging.copy_(torch.from_numpy(self.drafter.round_trip()))
+        self.round_trips.append(time.perf_counter() - start)
+
+    def failed(self, exc: BaseException) -> None:
+        self.staging.fill_(-1)
+        self.drafter.failures += 1
 
     def gpu_work(self) -> None:
         self.drafts.copy_(self.staging, non_blocking=True)
@@ -165,7 +263,7 @@ class Step:
                 done[slot] = executor.submit(
                     replies[slot].deliver,
                     self.round_trip,
-                    lambda exc: self.staging.fill_(-1),
+                    self.failed,
                 )
                 now = time.perf_counter()
                 periods.append(now - last)
@@ -176,8 +274,10 @@ class Step:
 
 
 def calibrate_sleep() -> float:
-    """``torch.cuda._sleep`` cycles per millisecond."""
+    """``torch.cuda._sleep`` cycles per millisecond (after a warm-up sleep
+    that lets an idle GPU raise its SM clock)."""
     cycles = 10_000_000
+    torch.cuda._sleep(10 * cycles)
     start, end = torch.cuda.Event(True), torch.cuda.Event(True)
     start.record()
     torch.cuda._sleep(cycles)
@@ -219,22 +319,24 @@ def gate_overhead(gate_module: types.ModuleType, iters: int) -> dict[str, float]
 def run_cell(
     args: argparse.Namespace,
     gate_module: types.ModuleType,
-    address: str,
+    drafter: Drafter,
     cycles_per_ms: float,
     t_ms: float,
     h_ms: float,
     l_ms: float,
 ) -> dict[str, float]:
     """Synchronous and deferred period of one (T, H, L)."""
-    step = Step(address, t_ms, h_ms, l_ms, args.reply_cpu_ms, cycles_per_ms)
+    step = Step(drafter, t_ms, h_ms, cycles_per_ms)
     step.synchronous(5)
     step.kernel_ms.clear()
     sync = statistics.median(step.synchronous(args.steps)[1:]) * 1e3
     sync_kernel = statistics.median(step.kernel_ms[1:])
+    sync_round_trip = statistics.median(step.round_trips[6:]) * 1e3
     step.kernel_ms.clear()
+    step.round_trips.clear()
     deferred = statistics.median(step.deferred(gate_module, args.steps)[2:]) * 1e3
     deferred_kernel = statistics.median(step.kernel_ms[2:])
-    step.socket.close(linger=0)
+    deferred_round_trip = statistics.median(step.round_trips[1:]) * 1e3
     saved = sync - deferred
     # The same comparison without the GPU work each mode measured.
     host_saved = (sync - sync_kernel) - (deferred - deferred_kernel)
@@ -246,6 +348,8 @@ def run_cell(
         "deferred_period_ms": deferred,
         "sync_gpu_ms": sync_kernel,
         "deferred_gpu_ms": deferred_kernel,
+        "sync_round_trip_ms": sync_round_trip,
+        "deferred_round_trip_ms": deferred_round_trip,
         "saved_ms": saved,
         "hidden_fraction": saved / min(l_ms, h_ms),
         "hidden_fraction_gpu_corrected": host_saved / min(l_ms, h_ms),
@@ -259,12 +363,6 @@ def main() -> None:
     parser.add_argument("--t-ms", type=float, nargs="+", default=[2.0, 10.0])
     parser.add_argument("--h-ms", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--l-ms", type=float, nargs="+", default=[1.0, 4.0])
-    parser.add_argument(
-        "--reply-cpu-ms",
-        type=float,
-        default=0.2,
-        help="Python work of one round trip on the reply thread (C)",
-    )
     parser.add_argument(
         "--switch-interval-us",
         type=float,
@@ -287,13 +385,19 @@ def main() -> None:
         lambda: torch.empty_like(warm, device="cuda").copy_(warm, non_blocking=True),
     )
 
-    address = "ipc:///tmp/k3_bench_deferred_resolve.ipc"
-    ready = mp.get_context("spawn").Event()
-    server = mp.get_context("spawn").Process(
-        target=delay_server, args=(address, ready), daemon=True
-    )
-    server.start()
-    ready.wait(30)
+    spawn = mp.get_context("spawn")
+    servers, drafters = [], {}
+    for index, l_ms in enumerate(args.l_ms):
+        address = f"ipc:///tmp/k3_bench_deferred_resolve_{index}.ipc"
+        ready = spawn.Event()
+        server = spawn.Process(
+            target=delay_server, args=(address, l_ms, ready), daemon=True
+        )
+        server.start()
+        servers.append(server)
+        if not ready.wait(120):
+            sys.exit(f"the delay server for L = {l_ms} ms did not start")
+        drafters[l_ms] = Drafter(address)
 
     rows = []
     default_interval = sys.getswitchinterval()
@@ -303,7 +407,13 @@ def main() -> None:
             for h_ms in args.h_ms:
                 for l_ms in args.l_ms:
                     row = run_cell(
-                        args, gate_module, address, cycles_per_ms, t_ms, h_ms, l_ms
+                        args,
+                        gate_module,
+                        drafters[l_ms],
+                        cycles_per_ms,
+                        t_ms,
+                        h_ms,
+                        l_ms,
                     )
                     row["switch_interval_us"] = interval_us
                     rows.append(row)
@@ -311,6 +421,8 @@ def main() -> None:
                         f"switch {interval_us:6.0f} us  T {t_ms:5.1f}  H {h_ms:4.1f}  "
                         f"L {l_ms:4.1f}  sync {row['sync_period_ms']:7.3f} ms  "
                         f"deferred {row['deferred_period_ms']:7.3f} ms  "
+                        f"round trip {row['sync_round_trip_ms']:6.3f}/"
+                        f"{row['deferred_round_trip_ms']:6.3f} ms  "
                         f"hidden {row['hidden_fraction']:5.2f} "
                         f"(GPU-time corrected "
                         f"{row['hidden_fraction_gpu_corrected']:5.2f}; GPU "
@@ -323,16 +435,18 @@ def main() -> None:
         "gate: release-to-done p50 {gated_p50_us:.1f} us (p99 {gated_p99_us:.1f}), "
         "ungated launch p50 {ungated_p50_us:.1f} us".format(**overhead)
     )
-    stopper: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
-    stopper.connect(address)
-    stopper.send(b"stop")
-    stopper.recv()
-    server.join(10)
+    failures = sum(drafter.failures for drafter in drafters.values())
+    for drafter in drafters.values():
+        drafter.client.close()
+    for server in servers:
+        server.terminate()
+        server.join(10)
+    if failures:
+        sys.exit(f"{failures} round trips returned no drafts")
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "steps": args.steps,
-        "reply_cpu_ms": args.reply_cpu_ms,
         "grid": rows,
         "gate": overhead,
     }
