@@ -202,6 +202,8 @@ class Step:
         self.t_cycles = int(t_ms * cycles_per_ms)
         self.h_ms = h_ms
         self.staging = torch.zeros(NUM_REQS, K, dtype=torch.int64, pin_memory=True)
+        # Filled through numpy on the reply thread, as layer 3 does.
+        self.staging_host = self.staging.numpy()
         self.drafts = torch.zeros(NUM_REQS, K, dtype=torch.int64, device="cuda")
         self.kernel_start = torch.cuda.Event(enable_timing=True, blocking=True)
         self.output = torch.cuda.Event(enable_timing=True, blocking=True)
@@ -213,11 +215,11 @@ class Step:
 
     def round_trip(self) -> None:
         start = time.perf_counter()
-        self.staging.copy_(torch.from_numpy(self.drafter.round_trip()))
+        self.staging_host[:] = self.drafter.round_trip()
         self.round_trips.append(time.perf_counter() - start)
 
     def failed(self, exc: BaseException) -> None:
-        self.staging.fill_(-1)
+        self.staging_host.fill(-1)
         self.drafter.failures += 1
 
     def gpu_work(self) -> None:

@@ -64,6 +64,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from vllm import envs
@@ -233,6 +234,12 @@ class _Slot:
     done: Future[None] | None = None
     # By capability, set by the reply thread for a reply that arrived whole.
     payloads: dict[str, Any] = field(default_factory=dict)
+    # ``tokens`` for the reply thread: numpy writes never release the GIL,
+    # whose every retake waits while the runner's Python holds it.
+    host_tokens: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host_tokens = self.tokens.numpy()
 
 
 @dataclass
@@ -359,8 +366,8 @@ class DeferredResolution(ImmediateResolution):
     # ------------------------------------------------ reply thread (rank 0)
 
     def _fill(self, step: RemoteStep, slot: _Slot) -> None:
-        staged = slot.tokens[: step.num_reqs]
-        staged.fill_(NO_DRAFT)
+        staged = slot.host_tokens[: step.num_reqs]
+        staged.fill(NO_DRAFT)
         slot.payloads = {}
         for handle in self._staging:
             handle.select(slot.index)
@@ -377,12 +384,11 @@ class DeferredResolution(ImmediateResolution):
                     f"than slot {slot.index} that its publish reads"
                 )
         if result is not None:
-            width = result.tokens.shape[1]
-            staged[:, :width].copy_(torch.from_numpy(result.tokens))
+            staged[:, : result.tokens.shape[1]] = result.tokens
         slot.payloads = dict(payloads)
 
     def _fail(self, step: RemoteStep, slot: _Slot, exc: BaseException) -> None:
-        slot.tokens[: step.num_reqs].fill_(NO_DRAFT)
+        slot.host_tokens[: step.num_reqs].fill(NO_DRAFT)
         slot.payloads = {}
         for handle in self._staging:
             try:
