@@ -229,6 +229,26 @@ def test_retained_request_reconnects_from_another_source(plan, scripted_server):
     assert state.tokens is not None and state.tokens.prefix_equals(tokens, 36)
 
 
+def test_reconnect_prefers_the_source_holding_the_most_history(plan, scripted_server):
+    def restore_8_back(header, frames):
+        reply = protocol.ok_reply(
+            "RECONNECT",
+            restored_start=header["prefix_end"] - 8,
+            prefix_end=header["prefix_end"],
+            latency_ms=0.1,
+        )
+        return [protocol.encode_header(reply)]
+
+    scripted_server.handlers["RECONNECT"] = restore_8_back
+    plan.run(_step(["src"], count=40))  # src holds [0, 40)
+    plan.run(_step(["late"], first=24, count=12))  # from src: late holds [16, 36)
+    assert plan.retained["late"].start == 16
+    scripted_server.log.clear()
+    # late is the most recently used, but src's K/V reaches further back.
+    plan.run(_step(["new"], first=32, count=4))
+    assert scripted_server.log[0][1]["source_request_id"] == "src"
+
+
 def test_without_shared_prefixes_another_source_is_not_used(plan, scripted_server):
     plan.share_prefixes = False
     plan.run(_step(["a"], count=8))

@@ -527,14 +527,20 @@ class RemotePlan:
     def _find_source(self, request: StepRequest) -> str | None:
         """A reconnectable retained request whose valid positions reach the
         request's first position with identical tokens before it; the request
-        itself first, then (with ``share_prefixes``) the most recently used."""
+        itself first, then (with ``share_prefixes``) the one whose valid
+        positions start earliest (the server restores the draft's window
+        from the source's positions only), the most recently used of those."""
         if request.tokens is None or request.first_position == 0:
             return None
         prefix_end = request.first_position
         if self.share_prefixes:
             candidates = sorted(
                 self.retained.items(),
-                key=lambda item: (item[0] != request.request_id, -item[1].last_used),
+                key=lambda item: (
+                    item[0] != request.request_id,
+                    item[1].start,
+                    -item[1].last_used,
+                ),
             )
         else:
             own = self.retained.get(request.request_id)
