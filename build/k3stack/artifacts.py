@@ -8,6 +8,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from k3stack.worktree import UPSTREAM_TAG, layer_tag
 BUILD_DIR = Path(__file__).resolve().parent.parent
 INSTALLER = Path(__file__).resolve().parent / "install.py"
 PACKAGE_ROOTS = ("vllm/",)
+LOCK_NAME = "stack.lock.json"
 
 
 @dataclass(frozen=True)
@@ -71,20 +73,56 @@ def build(
     out_dir: Path,
     layers: int,
 ) -> BuildResult:
-    """Build the wheel, the image context and the lock for layers 1..layers."""
+    """Build the wheel, the image context and the lock for layers 1..layers.
+
+    They are built in a staging folder inside ``out_dir`` and replace the
+    previous build only once complete: a failed build leaves ``out_dir`` as
+    it was.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
+    try:
+        staged = _build_in(stack, pin, tree, upstream_wheel, staging, layers)
+        return _publish(staged, out_dir, pin)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staged: BuildResult, out_dir: Path, pin: Pin) -> BuildResult:
+    """Move a staged build into ``out_dir`` in place of the previous one.
+
+    The old lock goes first and the new one comes last, so a lock in
+    ``out_dir`` always sits beside the complete set of artifacts it names.
+    """
+    lock = out_dir / LOCK_NAME
+    lock.unlink(missing_ok=True)
+    for old in out_dir.glob(f"{pin.name}-{pin.version}+stack.*.whl"):
+        old.unlink()
+    context = out_dir / "image"
+    if context.exists():
+        shutil.rmtree(context)
+    wheel = staged.wheel.replace(out_dir / staged.wheel.name)
+    staged.context.rename(context)
+    staged.lock.replace(lock)
+    return BuildResult(wheel, context, lock, staged.version)
+
+
+def _build_in(
+    stack: Stack,
+    pin: Pin,
+    tree: Path,
+    upstream_wheel: Path,
+    out_dir: Path,
+    layers: int,
+) -> BuildResult:
     rev = layer_tag(layers) if layers else UPSTREAM_TAG
     stack_hash = stack.stack_hash(layers)
     local = f"stack.{stack_hash[:12]}"
     changes = tree_changes(tree, rev)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob(f"{pin.name}-{pin.version}+stack.*.whl"):
-        old.unlink()
     wheel = build_wheel(upstream_wheel, changes, local, out_dir)
     version = f"{pin.version}+{local}"
 
     context = out_dir / "image"
-    if context.exists():
-        shutil.rmtree(context)
     site = context / "stack" / "site"
     payload_files: dict[str, str] = {}
     for rel, data in sorted(changes.files.items()):
@@ -146,7 +184,7 @@ def build(
         },
     }
     lock_text = json.dumps(lock, indent=2, sort_keys=True) + "\n"
-    (context / "stack" / "stack.lock.json").write_text(lock_text)
+    (context / "stack" / LOCK_NAME).write_text(lock_text)
     dockerfile = (BUILD_DIR / "Dockerfile").read_text()
     for key, value in {
         "@BASE_IMAGE@": pin.base_image,
@@ -157,7 +195,7 @@ def build(
     }.items():
         dockerfile = dockerfile.replace(key, value)
     (context / "Dockerfile").write_text(dockerfile)
-    lock_path = out_dir / "stack.lock.json"
+    lock_path = out_dir / LOCK_NAME
     lock_path.write_text(lock_text)
     return BuildResult(wheel, context, lock_path, version)
 

@@ -175,3 +175,51 @@ def test_a_new_file_at_a_path_only_the_upstream_wheel_ships_is_refused(
     with pytest.raises(StackError, match="vllm/_C.abi3.so is a new file .* wheel"):
         build_into(synthetic, tmp_path / "dist")
     assert list((tmp_path / "dist").iterdir()) == []
+
+
+def dist_files(dist: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(dist).as_posix(): p.read_bytes()
+        for p in sorted(dist.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_failed_build_keeps_the_previous_build_whole(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    build_into(filled, dist)
+    before = dist_files(dist)
+    filled.amend(1, {"vllm/_C.abi3.so": "not a binary\n"})
+    refresh(filled.stack(), filled.tree)
+    git(filled.root, "add", "-A")
+    git(filled.root, "commit", "-q", "-m", "overlay shadows a wheel file")
+    filled.apply()
+    with pytest.raises(StackError, match="vllm/_C.abi3.so is a new file"):
+        build_into(filled, dist)
+    assert dist_files(dist) == before
+    assert sorted(os.listdir(dist)) == sorted({p.split("/")[0] for p in before})
+
+
+def test_a_wheel_that_fails_midway_leaves_no_partial_file(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    broken = tmp_path / "up" / filled.wheel.name
+    broken.parent.mkdir()
+    with zipfile.ZipFile(filled.wheel) as src, zipfile.ZipFile(broken, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/RECORD"):
+                data = b"".join(
+                    line
+                    for line in data.splitlines(keepends=True)
+                    if not line.startswith(b"vllm/_C.abi3.so,")
+                )
+            dst.writestr(info, data)
+    dist = tmp_path / "dist"
+    with pytest.raises(StackError, match="vllm/_C.abi3.so is missing from the"):
+        build(filled.stack(), filled.pin, filled.tree, broken, dist, layers=3)
+    assert dist_files(dist) == {}
