@@ -223,3 +223,21 @@ def test_a_wheel_that_fails_midway_leaves_no_partial_file(
     with pytest.raises(StackError, match="vllm/_C.abi3.so is missing from the"):
         build(filled.stack(), filled.pin, filled.tree, broken, dist, layers=3)
     assert dist_files(dist) == {}
+
+
+def test_the_image_context_pulls_no_image_but_the_pinned_base(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    lines = (result.context / "Dockerfile").read_text().splitlines()
+    # A ``# syntax=`` directive makes BuildKit pull that frontend image first.
+    directives = [
+        line for line in lines if line.replace(" ", "").startswith("#syntax=")
+    ]
+    assert all("@sha256:" in line for line in directives), directives
+    assert [line for line in lines if line.startswith("FROM ")] == [
+        "FROM ${BASE_IMAGE}"
+    ]
+    assert f"ARG BASE_IMAGE={filled.pin.base_image}" in lines
+    assert not [line for line in lines if line.startswith(("ADD ", "COPY --from"))]
