@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,8 @@ BUILD_DIR = Path(__file__).resolve().parent.parent
 INSTALLER = Path(__file__).resolve().parent / "install.py"
 PACKAGE_ROOTS = ("vllm/",)
 LOCK_NAME = "stack.lock.json"
+# The wheel's entry timestamp (1980-01-01T00:00:00Z), for the context too.
+CONTEXT_MTIME = 315532800
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,18 @@ def _build_in(
     }.items():
         dockerfile = dockerfile.replace(key, value)
     (context / "Dockerfile").write_text(dockerfile)
+    _normalise(context)
     lock_path = out_dir / LOCK_NAME
     lock_path.write_text(lock_text)
     return BuildResult(wheel, context, lock_path, version)
+
+
+def _normalise(root: Path) -> None:
+    """Fixed modes and mtimes under ``root`` (children before their folder),
+    so the context archives the same whatever the umask and the hour."""
+    for path in [*sorted(root.rglob("*"), reverse=True), root]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+        os.utime(path, (CONTEXT_MTIME, CONTEXT_MTIME))
 
 
 def _write(path: Path, data: bytes) -> None:

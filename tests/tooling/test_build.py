@@ -241,3 +241,24 @@ def test_the_image_context_pulls_no_image_but_the_pinned_base(
     ]
     assert f"ARG BASE_IMAGE={filled.pin.base_image}" in lines
     assert not [line for line in lines if line.startswith(("ADD ", "COPY --from"))]
+
+
+def context_stat(context: Path) -> list[tuple[str, int, int]]:
+    return [
+        (p.relative_to(context).as_posix(), p.stat().st_mode, p.stat().st_mtime_ns)
+        for p in sorted(context.rglob("*"))
+    ] + [(".", context.stat().st_mode, context.stat().st_mtime_ns)]
+
+
+def test_two_image_contexts_archive_the_same_modes_and_mtimes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    old_umask = os.umask(0o077)
+    try:
+        first = build_into(filled, tmp_path / "a")
+    finally:
+        os.umask(old_umask)
+    second = build_into(filled, tmp_path / "b")
+    assert context_stat(first.context) == context_stat(second.context)
+    assert {mtime for _, _, mtime in context_stat(first.context)} == {315532800 * 10**9}
