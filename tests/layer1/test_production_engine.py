@@ -4,6 +4,7 @@
 
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 
@@ -321,3 +322,77 @@ def test_cli_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, caplog):
         in caplog.text
     )
     assert "Traceback" not in caplog.text
+
+
+def _remove(path: Path) -> None:
+    path.unlink()
+
+
+def _write(text: str):
+    return lambda path: path.write_text(text)
+
+
+@pytest.mark.parametrize(
+    "relative, damage, reason",
+    [
+        ("draft/config.json", _remove, "cannot read .*config.json"),
+        ("draft/config.json", _write("[1]"), "config.json is not a JSON object"),
+        ("draft/config.json", _write("{"), "cannot read .*config.json"),
+        ("draft/model.safetensors", _remove, "cannot read .*model.safetensors"),
+        (
+            "draft/model.safetensors",
+            lambda path: path.write_bytes(b"\x02" + bytes(7) + b"[]"),
+            "model.safetensors is not a safetensors file",
+        ),
+        (
+            "target/model-00002-of-00002.safetensors",
+            _remove,
+            "cannot read .*model-00002-of-00002.safetensors",
+        ),
+        (
+            "target/model.safetensors.index.json",
+            _write("{"),
+            "cannot read .*model.safetensors.index.json",
+        ),
+    ],
+)
+def test_unreadable_checkpoint_files_are_refused_in_one_line(
+    tmp_path, caplog, relative, damage, reason
+):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    damage(tmp_path / relative)
+    args = production_args(
+        draft, target, "--status-port", str(free_tcp_port()), "--address", "inproc://x"
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.exc_info is None
+    assert re.search("Refusing to serve: .*" + reason, record.getMessage())
+
+
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ({"hidden_size": None}, "hidden_size must be a positive integer, not None"),
+        ({"vocab_size": "1024"}, "vocab_size must be a positive integer, not '1024'"),
+        ({"intermediate_size": 0}, "intermediate_size must be a positive integer"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
+        ({"num_key_value_heads": 1.5}, "num_key_value_heads must be a positive"),
+        ({"dflash_config": [1]}, "config.json"),
+        ({"dflash_config": {"target_layer_ids": ["a"]}}, "config.json"),
+    ],
+)
+def test_malformed_config_values_are_refused_in_one_line(
+    tmp_path, caplog, override, reason
+):
+    draft, target = write_checkpoints(tmp_path, "dflash", **override)
+    args = production_args(
+        draft, target, "--status-port", str(free_tcp_port()), "--address", "inproc://x"
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.exc_info is None
+    assert "Refusing to serve: " in record.getMessage()
+    assert reason in record.getMessage()

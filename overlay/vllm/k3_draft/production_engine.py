@@ -106,6 +106,18 @@ def confined_path(root: Path, relative: str) -> Path:
     return path
 
 
+def read_json(path: Path) -> Any:
+    """The JSON document in ``path``; ``CheckpointError`` naming the file if
+    it cannot be read or parsed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
 class SafetensorsCheckpoint:
     """Tensor name -> file of a safetensors checkpoint directory."""
 
@@ -114,8 +126,10 @@ class SafetensorsCheckpoint:
         index = self.root / SAFETENSORS_INDEX
         if index.is_file():
             index = confined_path(self.root, SAFETENSORS_INDEX)
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            document = read_json(index)
+            weight_map = (
+                document.get("weight_map") if isinstance(document, dict) else None
+            )
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no weight_map")
             files = {name: str(file) for name, file in weight_map.items()}
@@ -130,13 +144,26 @@ class SafetensorsCheckpoint:
     @staticmethod
     def _header(path: Path) -> dict[str, Any]:
         """Tensor entries of a safetensors file (with ``"data_start"``)."""
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if size > 100 << 20:
-                raise CheckpointError(f"{path} has a {size}-byte header")
-            header = json.loads(f.read(size))
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if size > 100 << 20:
+                    raise CheckpointError(f"{path} has a {size}-byte header")
+                header = json.loads(f.read(size))
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read {path}: {exc.strerror or exc}"
+            ) from None
+        except ValueError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{path} is not a safetensors file: {exc}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} is not a safetensors file")
         header.pop("__metadata__", None)
-        for entry in header.values():
+        for name, entry in header.items():
+            if not isinstance(entry, dict):
+                raise CheckpointError(f"{path} is not a safetensors file ({name})")
             entry["data_start"] = 8 + size
         return header
 
@@ -154,16 +181,25 @@ class SafetensorsCheckpoint:
         entry = self._headers[path].get(name)
         if entry is None:
             raise CheckpointError(f"{name} is not in {path}")
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        stored = entry.get("dtype")
+        dtype = _SAFETENSORS_DTYPES.get(stored) if isinstance(stored, str) else None
         if dtype is None:
-            raise CheckpointError(f"{name}: unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{name}: unsupported dtype {stored}")
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape = tuple(int(size) for size in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{name}: malformed entry in {path}") from None
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{name}: byte range does not match its shape")
-        with open(path, "rb") as f:
-            f.seek(entry["data_start"] + begin)
-            data = bytearray(f.read(end - begin))
+        try:
+            with open(path, "rb") as f:
+                f.seek(entry["data_start"] + begin)
+                data = bytearray(f.read(end - begin))
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read {path}: {exc.strerror or exc}"
+            ) from None
         if len(data) != end - begin:
             raise CheckpointError(f"{name}: {path} is truncated")
         if not data:
@@ -217,6 +253,18 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         raise CheckpointError("unsupported draft checkpoint: " + ", ".join(reasons))
 
 
+def _config_int(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``config[key]`` (``default`` when absent or null) as a positive int."""
+    value = config.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(
+            f"config.json: {key} must be a positive integer, not {value!r}"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class DraftCheckpoint:
     """A draft checkpoint's architecture and the aux layers it consumes."""
@@ -229,6 +277,27 @@ class DraftCheckpoint:
 
     @classmethod
     def from_dir(cls, root: str | os.PathLike[str]) -> DraftCheckpoint:
+        """The checkpoint in ``root``; ``CheckpointError`` naming
+        ``config.json`` for a config that is unreadable, malformed or
+        unsupported."""
+        path = Path(root).resolve(strict=True)
+        config_path = confined_path(path, "config.json")
+        config = read_json(config_path)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_path} is not a JSON object")
+        try:
+            return cls._from_config(path, config)
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            # A value of the wrong type or range, here or in upstream's
+            # config helpers.
+            raise CheckpointError(
+                f"malformed {config_path}: {type(exc).__name__}: {exc}"
+            ) from None
+
+    @classmethod
+    def _from_config(cls, path: Path, config: dict[str, Any]) -> DraftCheckpoint:
         # Upstream's resolution of the mask token and of the aux layers.
         from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
             get_eagle3_aux_layers_from_config,
@@ -237,9 +306,6 @@ class DraftCheckpoint:
             get_parallel_drafting_token_id,
         )
 
-        path = Path(root).resolve(strict=True)
-        with open(confined_path(path, "config.json")) as f:
-            config = json.load(f)
         architectures = config.get("architectures") or []
         architecture = next(
             (a for a in architectures if a in DRAFT_ARCHITECTURES), None
@@ -265,20 +331,20 @@ class DraftCheckpoint:
         aux_layers = get_eagle3_aux_layers_from_config(spec_config)  # type: ignore[arg-type]
         if not aux_layers:
             raise CheckpointError("the draft config names no target aux layers")
-        hidden = config["hidden_size"]
-        heads = config["num_attention_heads"]
-        target_hidden = config.get("target_hidden_size") or hidden
+        hidden = _config_int(config, "hidden_size")
+        heads = _config_int(config, "num_attention_heads")
+        target_hidden = _config_int(config, "target_hidden_size", hidden)
         rope = config.get("rope_parameters") or {}
         shape = DraftShape(
             method=method,
-            vocab_size=config["vocab_size"],
+            vocab_size=_config_int(config, "vocab_size"),
             context_width=target_hidden * len(aux_layers),
             hidden_size=hidden,
-            num_layers=config["num_hidden_layers"],
+            num_layers=_config_int(config, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config["head_dim"],
-            intermediate_size=config["intermediate_size"],
+            num_kv_heads=_config_int(config, "num_key_value_heads", heads),
+            head_dim=_config_int(config, "head_dim"),
+            intermediate_size=_config_int(config, "intermediate_size"),
             mask_token_id=get_parallel_drafting_token_id(hf_config),
             markov_rank=config.get("markov_rank", 0) if method == "dspark" else 0,
             rope_theta=float(rope.get("rope_theta") or config["rope_theta"]),
@@ -296,7 +362,12 @@ def _engine_name(checkpoint_name: str, num_layers: int) -> tuple[str, int] | Non
     if name in _GLOBAL_WEIGHTS:
         return _GLOBAL_WEIGHTS[name], -1
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER_WEIGHTS:
+    if (
+        len(parts) == 3
+        and parts[0] == "layers"
+        and parts[1].isdigit()
+        and parts[2] in _LAYER_WEIGHTS
+    ):
         layer = int(parts[1])
         if 0 <= layer < num_layers:
             return _LAYER_WEIGHTS[parts[2]], layer
