@@ -26,6 +26,7 @@ BUILD_DIR = Path(__file__).resolve().parent.parent
 INSTALLER = Path(__file__).resolve().parent / "install.py"
 PACKAGE_ROOTS = ("vllm/",)
 LOCK_NAME = "stack.lock.json"
+STAGING_PREFIX = ".build-"
 # The wheel's entry timestamp (1980-01-01T00:00:00Z), for the context too.
 CONTEXT_MTIME = 315532800
 
@@ -80,10 +81,12 @@ def build(
 
     They are built in a staging folder inside ``out_dir`` and replace the
     previous build only once complete: a failed build leaves ``out_dir`` as
-    it was.
+    it was (and the staging folder of a killed one goes at the next build).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
+    for stale in out_dir.glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
     try:
         staged = _build_in(stack, pin, tree, upstream_wheel, staging, layers)
         return _publish(staged, out_dir, pin)

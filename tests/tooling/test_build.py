@@ -262,3 +262,19 @@ def test_two_image_contexts_archive_the_same_modes_and_mtimes(
     second = build_into(filled, tmp_path / "b")
     assert context_stat(first.context) == context_stat(second.context)
     assert {mtime for _, _, mtime in context_stat(first.context)} == {315532800 * 10**9}
+
+
+def test_a_build_clears_what_a_killed_build_left_behind(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    first = build_into(filled, dist)
+    # What SIGKILL during a build leaves: its staging folder, half written.
+    leftover = dist / ".build-killed"
+    (leftover / "image").mkdir(parents=True)
+    (leftover / f"{first.wheel.name}.part").write_bytes(b"PK\x03\x04")
+    second = build_into(filled, dist)
+    assert sorted(os.listdir(dist)) == sorted(
+        ["image", "stack.lock.json", second.wheel.name]
+    )
