@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 import zmq.auth
 from k3_layer1_server import free_tcp_port
@@ -79,6 +80,22 @@ def test_prefix_cache_must_hold_a_window(capsys):
 
 def test_cuda_graphs_need_a_cuda_device(capsys):
     assert "CUDA" in refused(["--enable-cuda-graph"], capsys)
+
+
+@pytest.mark.parametrize(
+    "device", ["cuda:64", *([] if torch.cuda.is_available() else ["cuda"])]
+)
+def test_a_cuda_device_that_is_not_there_is_refused(device, capsys):
+    assert f"--device {device}: no such CUDA device" in refused(
+        ["--device", device], capsys
+    )
+
+
+@pytest.mark.parametrize("device", ["cuda:4096", "cuda:200"])
+def test_a_device_index_torch_would_wrap_around_is_refused(device, capsys):
+    assert f"'{device}': device index out of range" in refused(
+        ["--device", device], capsys
+    )
 
 
 def test_reference_engine_refuses_production_flags(tmp_path, capsys):

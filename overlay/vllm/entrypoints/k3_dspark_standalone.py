@@ -111,6 +111,10 @@ def _device(text: str) -> torch.device:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"device type {device.type} unsupported")
+    _, sep, index = text.partition(":")
+    # torch wraps an index past its range around (cuda:4096 is cuda:0).
+    if sep and str(device.index) != index:
+        raise argparse.ArgumentTypeError(f"{text!r}: device index out of range")
     return device
 
 
@@ -275,6 +279,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(str(exc))
     elif args.draft_model is None or args.target_model is None:
         parser.error("--engine production needs --draft-model and --target-model")
+    if args.device.type == "cuda":
+        present = torch.cuda.device_count()
+        index = args.device.index or 0
+        if index >= present:
+            parser.error(
+                f"--device {args.device}: no such CUDA device ({present} present)"
+            )
     return args
 
 
