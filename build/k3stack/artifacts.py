@@ -83,15 +83,18 @@ def build(
     previous build only once complete: a failed build leaves ``out_dir`` as
     it was (and the staging folder of a killed one goes at the next build).
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(f"{STAGING_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
     try:
-        staged = _build_in(stack, pin, tree, upstream_wheel, staging, layers)
-        return _publish(staged, out_dir, pin)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.glob(f"{STAGING_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
+        try:
+            staged = _build_in(stack, pin, tree, upstream_wheel, staging, layers)
+            return _publish(staged, out_dir, pin)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        raise StackError(f"build into {out_dir} failed: {e}") from e
 
 
 def _publish(staged: BuildResult, out_dir: Path, pin: Pin) -> BuildResult:

@@ -278,3 +278,17 @@ def test_a_build_clears_what_a_killed_build_left_behind(
     assert sorted(os.listdir(dist)) == sorted(
         ["image", "stack.lock.json", second.wheel.name]
     )
+
+
+def test_a_dist_that_cannot_be_written_is_refused_in_one_line(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    dist.write_text("a file where the build folder should be\n")
+    with pytest.raises(
+        StackError, match=f"build into {dist} failed: .*File exists"
+    ) as e:
+        build_into(filled, dist)
+    assert "\n" not in str(e.value)
+    assert dist.read_text() == "a file where the build folder should be\n"
