@@ -195,3 +195,26 @@ def test_a_client_that_stops_taking_its_reply_does_not_stall_the_server():
         transport.close()
         context.term()
     assert not served.is_alive()
+
+
+def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):
+    # A draft large enough that loading takes a few seconds on CPU.
+    server = DraftServerProcess(
+        tmp_path, hidden_size=1024, num_layers=16, vocab_size=32768, num_heads=8
+    )
+    with open(server.log_path, "ab") as log:
+        server.proc = subprocess.Popen(
+            server.command(), stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while server.http("/healthz")[0] != 200:
+            assert time.monotonic() < deadline and server.proc.poll() is None
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=120)
+    finally:
+        server.stop()
+    log = server.log_tail()
+    assert code == 0, log
+    assert "Stopped during start-up" in log and "Draft RPC serving" not in log

@@ -13,19 +13,20 @@ cache, weights, staging), the model is loaded, CUDA graphs are captured and
 the free device memory left is checked; only then does the RPC socket bind and
 ``/readyz`` turn 200. Every CLI value is validated at parse time. A transport
 failure after start-up stops the process with the error (exit status 1);
-SIGTERM/SIGINT stop it cleanly.
+SIGTERM/SIGINT stop it cleanly (exit status 0), during start-up at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import zmq
@@ -56,6 +57,7 @@ _REFERENCE_ONLY = (
     "seed",
 )
 _PRODUCTION_ONLY = ("draft_model", "target_model")
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _int_at_least(minimum: int):
@@ -332,6 +334,39 @@ def check_free_after_capture(device: torch.device, min_free_gib: float) -> None:
         )
 
 
+class StartUpInterrupted(BaseException):
+    """SIGTERM/SIGINT before the transport serves (a BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` in loading code
+    swallows it)."""
+
+
+@contextlib.contextmanager
+def _interruptible_start_up(stop: threading.Event) -> Iterator[None]:
+    """Run start-up so that a stop request ends it: loading can take minutes,
+    so in the main thread SIGTERM/SIGINT set ``stop`` and raise
+    ``StartUpInterrupted`` at once; a stop requested before (or, from another
+    thread, during) start-up raises when it begins (ends)."""
+    if stop.is_set():
+        raise StartUpInterrupted
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+
+        def interrupt(signum: int, frame: object) -> None:
+            stop.set()
+            raise StartUpInterrupted
+
+        previous = {
+            signum: signal.signal(signum, interrupt) for signum in _STOP_SIGNALS
+        }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stop.is_set():
+        raise StartUpInterrupted
+
+
 def run(args: argparse.Namespace, stop: threading.Event) -> int:
     """Serve until ``stop`` is set; returns the process exit status."""
     state = StatusState()
@@ -348,16 +383,21 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
     status.start()
     warn_if_unsafe(args.address, args.curve)
     try:
-        engine = build_engine(args)
-        check_memory_plan(engine, args.memory_limit_gib)
-        engine.load()
-        shapes = engine.capture_cuda_graphs()
-        check_free_after_capture(engine.device, args.min_free_memory_gib)
-        load_capability_plugins()
-        server = DraftServer(engine, shapes)
-        # Long-lived start-up objects need no further cyclic GC passes.
-        gc.collect()
-        gc.freeze()
+        with _interruptible_start_up(stop):
+            engine = build_engine(args)
+            check_memory_plan(engine, args.memory_limit_gib)
+            engine.load()
+            shapes = engine.capture_cuda_graphs()
+            check_free_after_capture(engine.device, args.min_free_memory_gib)
+            load_capability_plugins()
+            server = DraftServer(engine, shapes)
+            # Long-lived start-up objects need no further cyclic GC passes.
+            gc.collect()
+            gc.freeze()
+    except StartUpInterrupted:
+        logger.info("Stopped during start-up")
+        status.stop()
+        return 0
     except (MemoryError, ValueError) as exc:
         # A configuration that cannot fit, or a checkpoint or configuration
         # the engine refuses (CheckpointError and the other ValueErrors).
@@ -395,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     configure_process_logging()
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda *_: stop.set())
     sys.exit(run(args, stop))
 
