@@ -15,6 +15,7 @@ from k3_layer1_server import free_tcp_port
 from zmq.auth.thread import AuthenticationThread
 
 from vllm.entrypoints.k3_dspark_standalone import check_memory_plan, parse_args, run
+from vllm.k3_draft.engine import GiB, available_memory
 from vllm.k3_draft.reference_engine import ReferenceEngine
 
 BASE = ["--engine", "reference", "--device", "cpu", "--window-size", "64"]
@@ -155,6 +156,18 @@ def test_memory_plan_over_the_limit_is_refused():
     engine = ReferenceEngine(args.limits, args.reference, args.device)
     with pytest.raises(MemoryError, match="KV .* GiB"):
         check_memory_plan(engine, 2.0)
+
+
+def test_memory_limit_above_the_free_memory_does_not_pass_a_plan_that_cannot_fit():
+    args = parse_args(
+        BASE
+        + ["--max-requests", "65536", "--window-size", "8192", "--hidden-size", "4096"]
+    )
+    engine = ReferenceEngine(args.limits, args.reference, args.device)
+    needed = engine.memory_plan().total
+    assert needed > available_memory(engine.device)
+    with pytest.raises(MemoryError, match="available on cpu"):
+        check_memory_plan(engine, 2 * needed / GiB)
 
 
 def test_server_that_cannot_fit_exits_before_serving(caplog):

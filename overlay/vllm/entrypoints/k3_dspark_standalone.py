@@ -192,7 +192,8 @@ def make_parser() -> argparse.ArgumentParser:
     device.add_argument(
         "--memory-limit-gib",
         type=_positive_float,
-        help="device memory the server may use (default: free memory at start)",
+        help="device memory the server may use, at most the free memory at "
+        "start (default: all of that)",
     )
     device.add_argument(
         "--min-free-memory-gib",
@@ -308,13 +309,12 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
 
 
 def check_memory_plan(engine: DraftEngine, limit_gib: float | None) -> None:
-    """Refuse, before allocating, a configuration that cannot fit."""
+    """Refuse, before allocating, a configuration that cannot fit in the free
+    memory of the device, or in ``limit_gib`` if that is less."""
     plan = engine.memory_plan()
-    limit = (
-        int(limit_gib * GiB)
-        if limit_gib is not None
-        else available_memory(engine.device)
-    )
+    limit = available_memory(engine.device)
+    if limit_gib is not None:
+        limit = min(limit, int(limit_gib * GiB))
     logger.info("Draft memory plan: %s", plan.describe())
     if plan.total > limit:
         raise MemoryError(
