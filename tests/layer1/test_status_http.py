@@ -3,6 +3,10 @@
 """HTTP status endpoints."""
 
 import json
+import socket
+import struct
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -83,3 +87,57 @@ def test_metrics_are_prometheus_text(draft_server, raw_client):
     requests = {s.labels["op"]: s.value for s in families["k3_draft_requests"].samples}
     assert requests["PING"] >= 1
     assert "k3_draft_propose_latency_ms" in families
+
+
+def request(url: str, method: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, method=method), timeout=5
+        ) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v1/status", "/metrics"])
+def test_head_answers_like_get_without_a_body(loading_status, path):
+    _, url = loading_status
+    code, headers, body = request(url + path, "HEAD")
+    get_code, get_body = get(url + path)
+    assert (code, body) == (get_code, b"")
+    assert int(headers["Content-Length"]) == len(get_body)
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+def test_other_methods_are_405_with_the_allowed_ones(loading_status, method):
+    _, url = loading_status
+    code, headers, _ = request(url + "/healthz", method)
+    assert (code, headers["Allow"]) == (405, "GET, HEAD")
+
+
+def test_a_client_that_hangs_up_early_leaves_no_traceback(loading_status, capfd):
+    _, url = loading_status
+    port = int(url.rsplit(":", 1)[1])
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            # Reset (not close) the connection: the reply meets ECONNRESET.
+            client.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+    time.sleep(0.5)
+    assert get(url + "/healthz")[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_an_idle_connection_is_closed_after_the_request_timeout():
+    server = StatusServer(StatusState(), "127.0.0.1", 0, request_timeout_s=0.5)
+    server.start()
+    try:
+        with socket.create_connection(server.httpd.server_address[:2]) as idle:
+            idle.settimeout(10)
+            start = time.monotonic()
+            assert idle.recv(1) == b""
+            assert time.monotonic() - start < 5
+    finally:
+        server.stop()

@@ -10,11 +10,16 @@
   (``DraftServer.snapshot``) once it exists.
 * ``GET /metrics``: Prometheus text format from a private
   ``CollectorRegistry``.
+
+``HEAD`` answers as ``GET`` without the body; other methods get 405. A
+connection that sends no request within the request timeout is closed, and a
+client that hangs up before its reply is logged at debug level only.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +38,9 @@ from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.server import DraftServer
 
 logger = init_logger(__name__)
+
+# Seconds a connection may take to send its request (each serving thread).
+_REQUEST_TIMEOUT_S = 10.0
 
 
 class StatusState:
@@ -126,33 +134,55 @@ class _ServerCollector(Collector):
         )
 
 
-def _handler(state: StatusState, registry: CollectorRegistry) -> type:
+def _handler(state: StatusState, registry: CollectorRegistry, timeout_s: float) -> type:
     class Handler(BaseHTTPRequestHandler):
+        # A connection that sends no complete request in time is closed.
+        timeout = timeout_s
+
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            self._answer(body=True)
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._answer(body=False)
+
+        def _refuse_method(self) -> None:
+            self.send_response(405)
+            self.send_header("Allow", "GET, HEAD")
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+
+        def _answer(self, body: bool) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
-                self._send(200, b"ok\n", "text/plain")
+                self._send(200, b"ok\n", "text/plain", body)
             elif path == "/readyz":
                 ready = state.ready
                 self._send(
                     200 if ready else 503,
                     b"ready\n" if ready else b"not ready\n",
                     "text/plain",
+                    body,
                 )
             elif path == "/v1/status":
-                body = json.dumps(state.status()).encode()
-                self._send(200, body, "application/json")
+                text = json.dumps(state.status()).encode()
+                self._send(200, text, "application/json", body)
             elif path == "/metrics":
-                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST, body)
             else:
-                self._send(404, b"not found\n", "text/plain")
+                self._send(404, b"not found\n", "text/plain", body)
 
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
+        def _send(
+            self, code: int, content: bytes, content_type: str, body: bool
+        ) -> None:
             self.send_response(code)
             self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(content)))
             self.end_headers()
-            self.wfile.write(body)
+            if body:
+                self.wfile.write(content)
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("status %s", format % args)
@@ -160,14 +190,34 @@ def _handler(state: StatusState, registry: CollectorRegistry) -> type:
     return Handler
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up is routine (a probe that timed out); anything
+        else is logged, not printed to stderr."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):
+            logger.debug("status client %s went away: %s", client_address, error)
+        else:
+            logger.exception("status request from %s failed", client_address)
+
+
 class StatusServer:
     """The HTTP status endpoints on ``host:port``, served from a daemon thread."""
 
-    def __init__(self, state: StatusState, host: str, port: int) -> None:
+    def __init__(
+        self,
+        state: StatusState,
+        host: str,
+        port: int,
+        request_timeout_s: float = _REQUEST_TIMEOUT_S,
+    ) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_ServerCollector(state))
-        self.httpd = ThreadingHTTPServer((host, port), _handler(state, registry))
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer(
+            (host, port), _handler(state, registry, request_timeout_s)
+        )
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, name="k3-draft-status", daemon=True
         )
