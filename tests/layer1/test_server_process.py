@@ -202,9 +202,9 @@ def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):
     server = DraftServerProcess(
         tmp_path, hidden_size=1024, num_layers=16, vocab_size=32768, num_heads=8
     )
-    with open(server.log_path, "ab") as log:
+    with open(server.log_path, "ab") as log_file:
         server.proc = subprocess.Popen(
-            server.command(), stdout=log, stderr=subprocess.STDOUT
+            server.command(), stdout=log_file, stderr=subprocess.STDOUT
         )
     try:
         deadline = time.monotonic() + 120
