@@ -20,8 +20,6 @@ LIMITS = DraftLimits(
     window_size=64,
     prefix_cache_tokens=96,
 )
-# The server's rewind bound for LIMITS (the block size).
-MAX_REWIND = 16
 
 
 def make_cache(budget: int = 8) -> ContextCache:
@@ -71,13 +69,7 @@ def test_coverage_starts_at_the_later_of_start_and_high_minus_budget():
     assert covered_start(start=5, high=500, budget=96) == 404
 
 
-def plan(
-    source: RequestState,
-    prefix_end: int,
-    request_id: str = "new",
-    free: int = 1,
-    max_rewind: int = MAX_REWIND,
-):
+def plan(source: RequestState, prefix_end: int, request_id: str = "new", free=1):
     header = {
         "protocol": 2,
         "op": "RECONNECT",
@@ -85,63 +77,58 @@ def plan(
         "request_id": request_id,
         "prefix_end": prefix_end,
     }
-    return plan_reconnect(header, {"src": source}, free, LIMITS, max_rewind)
+    return plan_reconnect(header, {"src": source}, free, LIMITS)
 
 
-def test_restore_starts_at_the_window_of_the_earliest_rewound_anchor():
-    # A rewind to 134 resending one row anchors at 135: window [71, 135).
-    result = plan(RequestState(0, 0, 160, 160), prefix_end=150)
-    assert result.restored_start == 71
-
-
-def test_restore_without_rewinds_starts_one_window_before_prefix_end():
-    for max_rewind in (0, 1):
-        source = RequestState(0, 0, 160, 160)
-        assert plan(source, 150, max_rewind=max_rewind).restored_start == 86
+def test_restore_starts_at_the_block_aligned_window_start():
+    result = plan(RequestState(0, 0, 160, 160, 0), prefix_end=150)
+    assert result.restored_start == 80
 
 
 def test_restore_starts_no_earlier_than_the_source_start():
-    result = plan(RequestState(0, 140, 200, 200), prefix_end=150)
+    result = plan(RequestState(0, 140, 200, 200, 140), prefix_end=150)
     assert result.restored_start == 140
 
 
 def test_restore_of_a_short_prefix_starts_at_zero():
-    assert plan(RequestState(0, 0, 40, 40), prefix_end=30).restored_start == 0
+    assert plan(RequestState(0, 0, 40, 40, 0), prefix_end=30).restored_start == 0
 
 
 def test_uncovered_restore_is_refused():
-    # budget 96: rows [404, 500) are cached; prefix_end 460 needs 381.
+    # budget 96: rows [404, 500) are cached; prefix_end 460 needs 384.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 500, 500), prefix_end=460)
+        plan(RequestState(0, 0, 500, 500, 0), prefix_end=460)
 
 
 def test_restore_one_position_before_the_cached_rows_is_refused():
-    # budget 96: rows [386, 482) are cached; prefix_end 464 needs 385.
+    # budget 96: rows [401, 497) are cached; prefix_end 464 needs 400.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 482, 482), prefix_end=464)
+        plan(RequestState(0, 0, 497, 497, 0), prefix_end=464)
 
 
 def test_restore_from_the_first_cached_row_is_accepted():
-    # budget 96: rows [385, 481) are cached; prefix_end 464 needs 385.
-    assert plan(RequestState(0, 0, 481, 481), prefix_end=464).restored_start == 385
+    # budget 96: rows [400, 496) are cached; prefix_end 464 needs 400.
+    assert plan(RequestState(0, 0, 496, 496, 0), prefix_end=464).restored_start == 400
 
 
 def test_rows_overwritten_after_a_rewind_do_not_count_as_covered():
     # Rewound to 450 after writing up to 500: positions < 404 were overwritten.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 450, 500), prefix_end=450)
+        plan(RequestState(0, 0, 450, 500, 0), prefix_end=450)
 
 
 def test_prefix_end_beyond_the_source_end_is_refused():
     with pytest.raises(ProtocolError, match="outside"):
-        plan(RequestState(0, 0, 100, 100), prefix_end=101)
+        plan(RequestState(0, 0, 100, 100, 0), prefix_end=101)
 
 
 def test_reconnect_without_a_free_slot_is_refused():
     with pytest.raises(ProtocolError, match="no free slot"):
-        plan(RequestState(0, 0, 100, 100), prefix_end=90, free=0)
+        plan(RequestState(0, 0, 100, 100, 0), prefix_end=90, free=0)
 
 
 def test_reconnect_onto_an_existing_request_needs_no_free_slot():
-    result = plan(RequestState(0, 0, 100, 100), prefix_end=90, request_id="src", free=0)
+    result = plan(
+        RequestState(0, 0, 100, 100, 0), prefix_end=90, request_id="src", free=0
+    )
     assert result.request_id == "src"

@@ -29,13 +29,17 @@ LIMITS = DraftLimits(
 )
 
 
-@pytest.fixture
-def server() -> DraftServer:
+def make_server() -> DraftServer:
     engine = ReferenceEngine(
         LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
     )
     engine.load()
     return DraftServer(engine)
+
+
+@pytest.fixture
+def server() -> DraftServer:
+    return make_server()
 
 
 def call(server: DraftServer, op: str, **fields: Any) -> dict[str, Any]:
@@ -55,6 +59,10 @@ def error_of(reply: dict[str, Any]) -> str:
 
 def state(server: DraftServer) -> dict[str, tuple[int, int, int, int]]:
     return {rid: (s.slot, s.start, s.end, s.high) for rid, s in server.requests.items()}
+
+
+def full_state(server: DraftServer) -> dict[str, tuple[int, ...]]:
+    return {rid: dataclasses.astuple(s) for rid, s in server.requests.items()}
 
 
 def test_pong_carries_every_pong_field(server):
@@ -286,23 +294,15 @@ def test_reconnect_reproduces_the_source_proposal(server):
     reply = call(
         server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=100
     )
-    assert reply["restored_start"] == 21 and reply["prefix_end"] == 100
+    assert reply["restored_start"] == 32 and reply["prefix_end"] == 100
     assert propose(server, [entry("dst", 100)])["tokens"] == expected
 
 
-def test_reconnect_to_a_shorter_prefix_matches_a_request_that_stopped_there(server):
-    frames = propose_message([entry("src", 90, 90, reset=True)], 3, WIDTH, seed=4)
-    server.handle(frames)
-    call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=70)
-    server.handle(propose_message([entry("ref", 70, 70, reset=True)], 3, WIDTH, seed=4))
-    ref = propose(server, [entry("ref", 70)])["tokens"]
-    assert propose(server, [entry("dst", 70)])["tokens"] == ref
-
-
-def test_rewind_after_reconnect_drafts_as_a_request_given_the_whole_history(server):
-    # B reconnects from A at 128, then rewinds as far as the server allows
-    # (16 positions, the block size): an anchor at 113 attends [49, 113). A
-    # fresh server given B's 128 rows directly must draft the same tokens.
+def test_rewind_after_reconnect_drafts_as_the_whole_history_or_is_refused(server):
+    # B reconnects from A at 128 (K/V restored from 64), then rewinds as far
+    # as the server allows (16 positions). An anchor whose window [a - 64, a)
+    # reaches before 64 is refused; any other drafts as a fresh server given
+    # B's 128 rows directly.
     history = torch.randn(160, WIDTH, generator=torch.Generator().manual_seed(3))
 
     def send(target: DraftServer, rid: str, first: int, anchor: int, reset=False):
@@ -317,35 +317,65 @@ def test_rewind_after_reconnect_drafts_as_a_request_given_the_whole_history(serv
                 protocol.tensor_frame(history[first:anchor].bfloat16()),
             ]
         )
-        return json.loads(bytes(reply[0]))["tokens"]
+        return json.loads(bytes(reply[0]))
 
-    fresh_engine = ReferenceEngine(
-        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
-    )
-    fresh_engine.load()
-    fresh = DraftServer(fresh_engine)
+    fresh = make_server()
     send(server, "A", 0, 160, reset=True)
     assert server.max_rewind == 16
+    refused = accepted = 0
     for first in range(112, 128):
         for anchor in (first + 1, 128):
-            call(
+            reply = call(
                 server,
                 "RECONNECT",
                 source_request_id="A",
                 request_id="B",
                 prefix_end=128,
             )
-            send(fresh, "B", 0, 128, reset=True)
-            expected = send(fresh, "B", first, anchor)
+            assert reply["restored_start"] == 64
+            before = full_state(server)
             got = send(server, "B", first, anchor)
-            assert got == expected, f"rewind to {first}, anchor {anchor}"
+            if anchor - LIMITS.window_size < 64:
+                assert "before the restored start 64" in error_of(got)
+                assert full_state(server) == before
+                refused += 1
+                continue
+            send(fresh, "B", 0, 128, reset=True)
+            assert got["tokens"] == send(fresh, "B", first, anchor)["tokens"]
+            accepted += 1
+    assert (refused, accepted) == (15, 17)
+
+
+def test_reconnect_from_a_source_restored_after_the_window_start_is_refused(server):
+    # B holds K/V from 80 only (restored from A at 150): it cannot restore the
+    # window [32, 100) that C at 100 needs, though A's history has it.
+    propose(server, [entry("A", 200, 200, reset=True)])
+    reply = call(
+        server, "RECONNECT", source_request_id="A", request_id="B", prefix_end=150
+    )
+    assert reply["restored_start"] == 80
+    before = full_state(server)
+    reply = call(
+        server, "RECONNECT", source_request_id="B", request_id="C", prefix_end=100
+    )
+    assert "is not covered" in error_of(reply)
+    assert full_state(server) == before
+
+
+def test_reconnect_to_a_shorter_prefix_matches_a_request_that_stopped_there(server):
+    frames = propose_message([entry("src", 90, 90, reset=True)], 3, WIDTH, seed=4)
+    server.handle(frames)
+    call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=70)
+    server.handle(propose_message([entry("ref", 70, 70, reset=True)], 3, WIDTH, seed=4))
+    ref = propose(server, [entry("ref", 70)])["tokens"]
+    assert propose(server, [entry("dst", 70)])["tokens"] == ref
 
 
 def test_reconnect_leaves_the_source_unchanged(server):
     propose(server, [entry("src", 100, 100, reset=True)])
     before = state(server)["src"]
     call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=80)
-    assert state(server)["src"] == before and state(server)["dst"][1:] == (1, 80, 80)
+    assert state(server)["src"] == before and state(server)["dst"][1:] == (16, 80, 80)
 
 
 def test_reconnect_of_an_uncovered_prefix_is_an_error(server):

@@ -230,7 +230,13 @@ class DraftServer:
 
     def _propose(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
         parsed = self.parser.parse(header, frames)
-        check_propose(parsed, self.requests, self.allocator.num_free, self.max_rewind)
+        check_propose(
+            parsed,
+            self.requests,
+            self.allocator.num_free,
+            self.max_rewind,
+            self.limits.window_size,
+        )
         batch = self._apply_propose(parsed)
         try:
             output = self.engine.propose(batch)
@@ -272,7 +278,7 @@ class DraftServer:
             if entry.reset:
                 slot = self.allocator.allocate() if state is None else state.slot
                 position = entry.reset_position
-                state = RequestState(slot, position, position, position)
+                state = RequestState(slot, position, position, position, position)
                 self.requests[entry.request_id] = state
             assert state is not None
             state.end = entry.anchor_position
@@ -307,7 +313,7 @@ class DraftServer:
             raise ProtocolError(f"unknown requests {unknown[:8]}")
         for rid in ids:
             slot = self.requests[rid].slot
-            self.requests[rid] = RequestState(slot, 0, 0, 0)
+            self.requests[rid] = RequestState(slot, 0, 0, 0, 0)
         return self._active_reply(OP_RESET)
 
     def _free(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
@@ -334,7 +340,6 @@ class DraftServer:
                 self.requests,
                 self.allocator.num_free,
                 self.limits,
-                self.max_rewind,
             )
         except ProtocolError:
             self.stats.reconnect_failures += 1
@@ -342,7 +347,7 @@ class DraftServer:
         target = self.requests.get(plan.request_id)
         slot = self.allocator.allocate() if target is None else target.slot
         self.requests[plan.request_id] = RequestState(
-            slot, plan.restored_start, plan.prefix_end, plan.prefix_end
+            slot, plan.restored_start, plan.prefix_end, plan.prefix_end, plan.origin
         )
         try:
             self.engine.restore(

@@ -33,18 +33,18 @@ _ENVELOPE = frozenset({"protocol", "op"})
 
 @dataclass
 class RequestState:
-    """A retained request: its slot, valid positions ``[start, end)`` and the
-    high-water mark ``high`` of positions written (``high >= end``).
-
-    A PROPOSE attends the window before its anchor from ``start`` on; after a
-    RECONNECT, ``start`` is where the restored rows begin, early enough for
-    every window a PROPOSE the server still accepts can reach (see
-    ``plan_reconnect``)."""
+    """A retained request: its slot, valid positions ``[start, end)``, the
+    high-water mark ``high`` of positions written (``high >= end``) and the
+    ``origin`` of its history (its reset position; a reconnected request
+    inherits its source's). A PROPOSE attends the window before its anchor
+    from ``start`` on: ``start > origin`` (a RECONNECT restored the window
+    only) means the positions in ``[origin, start)`` exist but hold no K/V."""
 
     slot: int
     start: int
     end: int
     high: int
+    origin: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +223,7 @@ def check_propose(
     requests: Mapping[str, RequestState],
     num_free_slots: int,
     max_rewind: int,
+    window_size: int,
 ) -> None:
     """Check a parsed PROPOSE against the request table."""
     new = 0
@@ -259,6 +260,15 @@ def check_propose(
                 f"context of {rid!r} rewinds to {first}: allowed back to "
                 f"{max(state.start, state.high - max_rewind)} (reset instead)"
             )
+        # A restored request has no K/V before its restored start: an anchor
+        # whose window reaches there would draft from less than its history.
+        window_start = entry.anchor_position - window_size
+        if state.start > state.origin and window_start < state.start:
+            raise ProtocolError(
+                f"context of {rid!r} rewinds to {first}: the window of anchor "
+                f"{entry.anchor_position} reaches {window_start}, before the "
+                f"restored start {state.start} (reset instead)"
+            )
     if new > num_free_slots:
         raise ProtocolError(
             f"{new} new requests but {num_free_slots} free slots (FREE some first)"
@@ -271,8 +281,9 @@ class ReconnectPlan:
     request_id: str
     prefix_end: int
     # Restored valid positions are [restored_start, prefix_end), K/V rebuilt
-    # for all of them.
+    # for all of them (a later PROPOSE may rewind into the window's start).
     restored_start: int
+    origin: int
 
 
 def plan_reconnect(
@@ -280,18 +291,14 @@ def plan_reconnect(
     requests: Mapping[str, RequestState],
     num_free_slots: int,
     limits: DraftLimits,
-    max_rewind: int,
 ) -> ReconnectPlan:
     """Validate a RECONNECT against the request table.
 
-    The restore starts at the window of the earliest anchor a later PROPOSE
-    may have (a rewind of ``max_rewind`` that resends one row:
-    ``prefix_end - window - (max_rewind - 1)``), or at the source's start, so
-    the restored request drafts as the source would; the source's context
-    cache must hold it. That is at most ``window + block - 1`` positions (the
-    ring's reach less one) and at most ``prefix_cache_tokens``, as
-    ``max_rewind`` is bounded by both.
-    """
+    The restore starts at the block-aligned window start before
+    ``prefix_end``, or at the source's origin if that is later; the source
+    must hold K/V rows for all of it (its context cache from its own
+    ``start``), else the reply is an error: a source that was itself
+    restored later than that has no rows to give."""
     check_fields(header, frozenset({"source_request_id", "request_id", "prefix_end"}))
     source_id = request_id(header.get("source_request_id"), "source_request_id")
     rid = request_id(header.get("request_id"))
@@ -306,8 +313,9 @@ def plan_reconnect(
         )
     if rid not in requests and num_free_slots == 0:
         raise ProtocolError("no free slot for the reconnected request")
-    earliest_anchor = prefix_end - max(max_rewind - 1, 0)
-    restored_start = max(earliest_anchor - limits.window_size, source.start)
+    window_start = max(0, prefix_end - limits.window_size)
+    aligned = window_start // limits.block_size * limits.block_size
+    restored_start = max(aligned, source.origin)
     cached = covered_start(source.start, source.high, limits.prefix_cache_tokens)
     if restored_start < cached:
         raise ProtocolError(
@@ -319,4 +327,5 @@ def plan_reconnect(
         request_id=rid,
         prefix_end=prefix_end,
         restored_start=restored_start,
+        origin=source.origin,
     )
