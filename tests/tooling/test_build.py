@@ -164,14 +164,19 @@ def test_no_docker_engine_is_said_in_one_line(tmp_path: Path, monkeypatch) -> No
     assert os.listdir(tmp_path) == []
 
 
-def test_a_new_file_at_a_path_only_the_upstream_wheel_ships_is_refused(
-    synthetic: Synthetic, tmp_path: Path
-) -> None:
+def shadow_a_wheel_file(synthetic: Synthetic) -> None:
+    """Layer 1 adds a file at a path only the upstream wheel ships; applied."""
     synthetic.amend(1, {"vllm/_C.abi3.so": "not a binary\n"})
     refresh(synthetic.stack(), synthetic.tree)
     git(synthetic.root, "add", "-A")
     git(synthetic.root, "commit", "-q", "-m", "overlay shadows a wheel file")
     synthetic.apply()
+
+
+def test_a_new_file_at_a_path_only_the_upstream_wheel_ships_is_refused(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    shadow_a_wheel_file(synthetic)
     with pytest.raises(StackError, match="vllm/_C.abi3.so is a new file .* wheel"):
         build_into(synthetic, tmp_path / "dist")
     assert list((tmp_path / "dist").iterdir()) == []
@@ -192,11 +197,7 @@ def test_a_failed_build_keeps_the_previous_build_whole(
     dist = tmp_path / "dist"
     build_into(filled, dist)
     before = dist_files(dist)
-    filled.amend(1, {"vllm/_C.abi3.so": "not a binary\n"})
-    refresh(filled.stack(), filled.tree)
-    git(filled.root, "add", "-A")
-    git(filled.root, "commit", "-q", "-m", "overlay shadows a wheel file")
-    filled.apply()
+    shadow_a_wheel_file(filled)
     with pytest.raises(StackError, match="vllm/_C.abi3.so is a new file"):
         build_into(filled, dist)
     assert dist_files(dist) == before
