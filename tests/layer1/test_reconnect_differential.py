@@ -1,0 +1,347 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Randomized differential check of the draft server's request table.
+
+Seeded random runs of PROPOSE (resets, rewinds as deep as the server allows,
+batches of several requests), RECONNECT (random source, target and prefix
+end, chains of them), FREE and RESET on the real server core and reference
+engine. After every PROPOSE, each request's drafts must equal those of a fresh
+server given only that request's history: its own rows since its reset, or
+for a reconnected request its source's history up to ``prefix_end`` and then
+its own rows. What the server cannot draft that way it must refuse, leaving
+its state as it was: a RECONNECT whose window-aligned restore start the
+source's context cache does not cover, and a PROPOSE whose anchor's window
+reaches before a restored start.
+"""
+
+import dataclasses
+import json
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.engine import DraftLimits
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.server import DraftServer
+
+WIDTH = 8
+# A large vocabulary makes the argmax sensitive to one missing window row.
+VOCAB = 512
+IDS = [f"r{i}" for i in range(6)]
+
+
+def make_server(limits: DraftLimits, method: str) -> DraftServer:
+    model = ReferenceModelConfig(
+        method=method,
+        vocab_size=VOCAB,
+        context_width=WIDTH,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        seed=1,
+    )
+    engine = ReferenceEngine(limits, model, torch.device("cpu"))
+    engine.load()
+    return DraftServer(engine)
+
+
+@dataclasses.dataclass
+class History:
+    """What a client knows of a request: the origin of its rows, where the
+    server's K/V starts (the reset position or ``restored_start``), its end,
+    high-water mark and rows by position."""
+
+    origin: int
+    start: int
+    end: int
+    high: int
+    rows: dict[int, torch.Tensor] = dataclasses.field(repr=False)
+
+
+# (request id, reset, first position, anchor position, anchor token)
+Entry = tuple[str, bool, int, int, int]
+
+
+def send_propose(
+    server: DraftServer, k: int, entries: list[Entry], rows: list[torch.Tensor]
+) -> dict[str, Any]:
+    requests = [
+        {
+            "request_id": rid,
+            "reset": reset,
+            "reset_position": first if reset else 0,
+            "context_count": anchor - first,
+            "anchor_token_id": token,
+            "anchor_position": anchor,
+        }
+        for rid, reset, first, anchor, token in entries
+    ]
+    header = protocol.request_header(
+        "PROPOSE", num_speculative_tokens=k, requests=requests
+    )
+    frames: list[Any] = [protocol.encode_header(header)]
+    runs = [(first, anchor) for _, _, first, anchor, _ in entries if anchor > first]
+    if runs:
+        positions = torch.cat([torch.arange(first, anchor) for first, anchor in runs])
+        frames += [
+            protocol.tensor_frame(positions),
+            protocol.tensor_frame(torch.cat([r for r in rows if len(r)])),
+        ]
+    return json.loads(bytes(server.handle(frames)[0]))
+
+
+def call(server: DraftServer, op: str, **fields: Any) -> dict[str, Any]:
+    header = protocol.encode_header(protocol.request_header(op, **fields))
+    return json.loads(bytes(server.handle([header])[0]))
+
+
+def table(server: DraftServer) -> dict[str, tuple[int, ...]]:
+    return {rid: dataclasses.astuple(s) for rid, s in server.requests.items()}
+
+
+class Run:
+    """One seeded run against a server with ``limits``; ``fresh`` is a
+    one-request server that drafts from a window's rows alone."""
+
+    def __init__(self, seed: int, limits: DraftLimits, method: str) -> None:
+        self.rng = random.Random(seed)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.limits = limits
+        self.server = make_server(limits, method)
+        self.fresh = make_server(
+            dataclasses.replace(limits, max_requests=1, max_batch_size=1), method
+        )
+        self.max_rewind = self.server.max_rewind
+        self.known: dict[str, History] = {}
+        self.follow: str | None = None
+        self.counts = dict.fromkeys(
+            (
+                "compared",
+                "rewinds",
+                "reconnects",
+                "uncovered",
+                "covered_at_the_boundary",
+                "window_refusals",
+            ),
+            0,
+        )
+
+    def fresh_tokens(
+        self, history: History, anchor: int, token: int, k: int
+    ) -> list[int]:
+        """Drafts of a fresh server given the window's rows of ``history``."""
+        first = max(history.origin, anchor - self.limits.window_size)
+        rows = [history.rows[p] for p in range(first, anchor)]
+        reply = send_propose(
+            self.fresh,
+            k,
+            [("x", True, first, anchor, token)],
+            [torch.stack(rows) if rows else torch.empty(0, WIDTH)],
+        )
+        assert reply["ok"], reply
+        return reply["tokens"][0]
+
+    def reaches_before_restore(self, history: History, anchor: int) -> bool:
+        restored = history.start > history.origin
+        return restored and anchor - self.limits.window_size < history.start
+
+    def propose(self) -> None:
+        rng, limits = self.rng, self.limits
+        ids = rng.sample(IDS, rng.randint(1, limits.max_batch_size))
+        if self.follow in self.known and self.follow not in ids:
+            # Right after a RECONNECT: draft (often rewinding) from the target.
+            ids[0] = self.follow
+        self.follow = None
+        free = self.server.allocator.num_free
+        k = rng.randint(1, limits.max_speculative_tokens)
+        budget = limits.max_context_tokens
+        entries: list[Entry] = []
+        for rid in ids:
+            history = self.known.get(rid)
+            longest = rng.choice(
+                (
+                    limits.max_speculative_tokens + 2,
+                    limits.window_size + limits.block_size,
+                    limits.window_size + limits.prefix_cache_tokens + 4,
+                )
+            )
+            count = min(rng.randint(0, longest), budget)
+            token = rng.randrange(VOCAB - 1)
+            if history is None or rng.random() < 0.05:
+                if history is None:
+                    if free == 0:
+                        continue
+                    free -= 1
+                first = rng.randint(0, 40)
+                entry = (rid, True, first, first + count, token)
+            elif count == 0 or rng.random() < 0.15:
+                entry = (rid, False, history.end, history.end, token)
+            else:
+                lowest = max(history.start, history.high - self.max_rewind)
+                first = (
+                    lowest if rng.random() < 0.3 else rng.randint(lowest, history.end)
+                )
+                entry = (rid, False, first, first + count, token)
+                # Mostly leave out what the server must refuse.
+                refused = self.reaches_before_restore(history, first + count)
+                if refused and rng.random() < 0.5:
+                    continue
+            entries.append(entry)
+            budget -= entry[3] - entry[2]
+        if not entries:
+            return
+        rows = [
+            torch.randn(anchor - first, WIDTH, generator=self.generator).bfloat16()
+            for _, _, first, anchor, _ in entries
+        ]
+        before = table(self.server)
+        reply = send_propose(self.server, k, entries, rows)
+        if any(
+            not reset and self.reaches_before_restore(self.known[rid], anchor)
+            for rid, reset, _, anchor, _ in entries
+        ):
+            assert "before the restored start" in reply.get("error", ""), reply
+            assert table(self.server) == before
+            self.counts["window_refusals"] += 1
+            return
+        assert reply["ok"], (reply, entries)
+        for (rid, reset, first, anchor, token), new_rows, tokens in zip(
+            entries, rows, reply["tokens"]
+        ):
+            if reset:
+                history = History(first, first, first, first, {})
+                self.known[rid] = history
+            else:
+                history = self.known[rid]
+                self.counts["rewinds"] += first < history.end
+            for position in [p for p in history.rows if p >= first]:
+                del history.rows[position]
+            history.rows.update(zip(range(first, anchor), new_rows))
+            history.end = anchor
+            history.high = max(history.high, anchor)
+            expected = self.fresh_tokens(history, anchor, token, k)
+            assert tokens == expected, (rid, first, anchor, history)
+            self.counts["compared"] += 1
+
+    def restore_start(self, source: History, prefix_end: int) -> int:
+        """The spec's restore start: the window-aligned position before
+        ``prefix_end``, or the origin of the source's history if later."""
+        window_start = max(0, prefix_end - self.limits.window_size)
+        block = self.limits.block_size
+        return max(window_start // block * block, source.origin)
+
+    def reconnect(self) -> None:
+        rng, limits = self.rng, self.limits
+        source_id = rng.choice(sorted(self.known))
+        source = self.known[source_id]
+        target_id = rng.choice(IDS)
+        cached = max(source.start, source.high - limits.prefix_cache_tokens)
+        boundary = [
+            end
+            for end in range(source.start, source.end + 1)
+            if self.restore_start(source, end) in (cached - 1, cached)
+        ]
+        x = rng.random()
+        if x < 0.2 and boundary:
+            # The restore starts at, or one before, the first cached row.
+            prefix_end = rng.choice(boundary)
+        elif x < 0.7:
+            prefix_end = max(source.start, source.end - rng.randint(0, 3))
+        else:
+            prefix_end = rng.randint(source.start, source.end)
+        before = table(self.server)
+        reply = call(
+            self.server,
+            "RECONNECT",
+            source_request_id=source_id,
+            request_id=target_id,
+            prefix_end=prefix_end,
+        )
+        if target_id not in self.known and len(self.known) == limits.max_requests:
+            assert "no free slot" in reply.get("error", ""), reply
+            return
+        # The source's context cache (rows from its own start, the last
+        # prefix_cache_tokens written) must hold all of the restore.
+        start = self.restore_start(source, prefix_end)
+        if start < cached:
+            assert "is not covered" in reply.get("error", ""), reply
+            assert table(self.server) == before
+            self.counts["uncovered"] += 1
+            return
+        assert reply["ok"] and reply["restored_start"] == start, reply
+        self.counts["reconnects"] += 1
+        self.counts["covered_at_the_boundary"] += start == cached > source.start
+        self.known[target_id] = History(
+            source.origin,
+            start,
+            prefix_end,
+            prefix_end,
+            {p: row for p, row in source.rows.items() if p < prefix_end},
+        )
+        self.follow = target_id
+
+    def free(self) -> None:
+        rid = self.rng.choice(sorted(self.known))
+        assert call(self.server, "FREE", request_ids=[rid])["ok"]
+        del self.known[rid]
+
+    def reset(self) -> None:
+        rid = self.rng.choice(sorted(self.known))
+        assert call(self.server, "RESET", request_ids=[rid])["ok"]
+        self.known[rid] = History(0, 0, 0, 0, {})
+
+    def step(self) -> None:
+        x = self.rng.random()
+        if x < 0.6 or self.follow is not None or not self.known:
+            self.propose()
+        elif x < 0.85:
+            self.reconnect()
+        elif x < 0.95:
+            self.free()
+        else:
+            self.reset()
+
+
+@pytest.fixture
+def one_thread():
+    # The tensors are tiny: intra-op threads only contend (10x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CONFIGS = [
+    # block, window, prefix cache, method: rewinds bounded by the block ...
+    (4, 8, 16, "dflash"),
+    (8, 16, 32, "dspark"),
+    (2, 6, 12, "dspark"),
+    # ... by the context cache (prefix_cache_tokens - window + 1) ...
+    (8, 16, 19, "dflash"),
+    # ... or to a single row.
+    (1, 3, 6, "dflash"),
+    (4, 8, 8, "dspark"),
+]
+
+
+@pytest.mark.parametrize(("block", "window", "cache", "method"), CONFIGS)
+def test_every_draft_matches_a_fresh_server_given_the_request_history(
+    block: int, window: int, cache: int, method: str, one_thread: None
+):
+    limits = DraftLimits(
+        max_requests=4,
+        max_batch_size=3,
+        max_speculative_tokens=4,
+        max_context_tokens=2 * window + cache,
+        max_model_len=1 << 20,
+        block_size=block,
+        window_size=window,
+        prefix_cache_tokens=cache,
+    )
+    run = Run(block * 1000 + window * 10 + cache, limits, method)
+    for _ in range(600):
+        run.step()
+    assert min(run.counts["reconnects"], run.counts["rewinds"]) > 20, run.counts
