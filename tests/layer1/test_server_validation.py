@@ -5,6 +5,7 @@
 
 import dataclasses
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -360,6 +361,26 @@ def test_reconnect_from_a_source_restored_after_the_window_start_is_refused(serv
     )
     assert "is not covered" in error_of(reply)
     assert full_state(server) == before
+
+
+def test_a_context_cache_below_window_plus_block_warns_of_refused_reconnects(caplog):
+    with caplog.at_level(logging.WARNING):
+        make_server()
+    assert "RECONNECT" not in caplog.text
+    small = dataclasses.replace(LIMITS, prefix_cache_tokens=64)
+    engine = ReferenceEngine(
+        small, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    engine.load()
+    with caplog.at_level(logging.WARNING):
+        server = DraftServer(engine)
+    assert "prefix_cache_tokens 64 is below window + block - 1 = 79" in caplog.text
+    # The refusal it warns of: the restore for 100 spans [32, 100), 68 rows.
+    propose(server, [entry("A", 100, 100, reset=True)])
+    reply = call(
+        server, "RECONNECT", source_request_id="A", request_id="B", prefix_end=100
+    )
+    assert "is not covered" in error_of(reply)
 
 
 def test_reconnect_to_a_shorter_prefix_matches_a_request_that_stopped_there(server):

@@ -118,6 +118,17 @@ class DraftServer:
                 f"block_size {self.limits.block_size} is below the engine's query "
                 f"K/V overhang {engine.spec.query_kv_overhang}"
             )
+        # A restore spans up to window + block - 1 positions (from the
+        # block-aligned window start), all of which the source's cache holds.
+        full_restore = self.limits.window_size + self.limits.block_size - 1
+        if self.limits.prefix_cache_tokens < full_restore:
+            logger.warning(
+                "prefix_cache_tokens %d is below window + block - 1 = %d: a "
+                "RECONNECT at a prefix end that is not block-aligned, near the "
+                "source's end, will be refused",
+                self.limits.prefix_cache_tokens,
+                full_restore,
+            )
         self.max_header_bytes = _HEADER_BYTES_BASE + _HEADER_BYTES_PER_ENTRY * max(
             self.limits.max_batch_size, self.limits.max_requests
         )
