@@ -234,8 +234,7 @@ def gather_rows(rows: torch.Tensor, index: np.ndarray) -> np.ndarray:
     On layer 3's reply thread every torch call releases and retakes the GIL,
     and each retake waits up to the interpreter's switch interval while the
     runner's Python holds it; numpy's ``take`` makes one such call for the
-    whole copy (and, unlike torch's CPU ``index_select`` on bf16, runs at
-    memory speed on one core).
+    whole copy, on one core.
     """
     return np.take(rows.view(torch.uint8).numpy(), index, axis=0)
 
