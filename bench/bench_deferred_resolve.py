@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_remote_rpc import ROWS_PER_REQUEST, WIDTH, K
+from bench_remote_rpc import ENGINE_TIMINGS, ROWS_PER_REQUEST, WIDTH, K
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft.client import DraftClient, ServerRequirements
@@ -126,10 +126,9 @@ class DelayEngine(DraftEngine):
         spin(self.delay_ms)
         anchors = torch.tensor(batch.anchor_token_ids, dtype=torch.int64)
         tokens = anchors[:, None].expand(-1, batch.num_speculative_tokens)
-        timings = {"context": 0.0, "query": self.delay_ms}
-        return ProposeOutput(
-            tokens.contiguous(), None, {**timings, "device_wait": 0.0, "copy_back": 0.0}
-        )
+        timings = dict.fromkeys(ENGINE_TIMINGS, 0.0)
+        timings["query"] = self.delay_ms
+        return ProposeOutput(tokens.contiguous(), None, timings)
 
     def restore(self, src_slot: int, dst_slot: int, start: int, end: int) -> None:
         raise NotImplementedError("the benchmark never reconnects")

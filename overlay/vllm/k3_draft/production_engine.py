@@ -20,9 +20,11 @@ with the reason at start-up rather than served wrongly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,14 +108,22 @@ def confined_path(root: Path, relative: str) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """An ``OSError`` inside becomes a ``CheckpointError`` naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
 def read_json(path: Path) -> Any:
     """The JSON document in ``path``; ``CheckpointError`` naming the file if
     it cannot be read or parsed."""
+    with _reading(path), open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        return json.loads(raw)
     except ValueError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
@@ -144,19 +154,14 @@ class SafetensorsCheckpoint:
     @staticmethod
     def _header(path: Path) -> dict[str, Any]:
         """Tensor entries of a safetensors file (with ``"data_start"``)."""
+        with _reading(path), open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size > 100 << 20:
+                raise CheckpointError(f"{path} has a {size}-byte header")
+            raw = f.read(size)
         try:
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                if size > 100 << 20:
-                    raise CheckpointError(f"{path} has a {size}-byte header")
-                header = json.loads(f.read(size))
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot read {path}: {exc.strerror or exc}"
-            ) from None
+            header = json.loads(raw)
         except ValueError as exc:
-            if isinstance(exc, CheckpointError):
-                raise
             raise CheckpointError(f"{path} is not a safetensors file: {exc}") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path} is not a safetensors file")
@@ -192,14 +197,9 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{name}: malformed entry in {path}") from None
         if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{name}: byte range does not match its shape")
-        try:
-            with open(path, "rb") as f:
-                f.seek(entry["data_start"] + begin)
-                data = bytearray(f.read(end - begin))
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot read {path}: {exc.strerror or exc}"
-            ) from None
+        with _reading(path), open(path, "rb") as f:
+            f.seek(entry["data_start"] + begin)
+            data = bytearray(f.read(end - begin))
         if len(data) != end - begin:
             raise CheckpointError(f"{name}: {path} is truncated")
         if not data:

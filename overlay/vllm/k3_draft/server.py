@@ -358,7 +358,11 @@ class DraftServer:
         target = self.requests.get(plan.request_id)
         slot = self.allocator.allocate() if target is None else target.slot
         self.requests[plan.request_id] = RequestState(
-            slot, plan.restored_start, plan.prefix_end, plan.prefix_end, plan.origin
+            slot,
+            plan.restored_start,
+            plan.prefix_end,
+            plan.prefix_end,
+            plan.source.origin,
         )
         try:
             self.engine.restore(

@@ -283,7 +283,6 @@ class ReconnectPlan:
     # Restored valid positions are [restored_start, prefix_end), K/V rebuilt
     # for all of them (a later PROPOSE may rewind into the window's start).
     restored_start: int
-    origin: int
 
 
 def plan_reconnect(
@@ -327,5 +326,4 @@ def plan_reconnect(
         request_id=rid,
         prefix_end=prefix_end,
         restored_start=restored_start,
-        origin=source.origin,
     )
