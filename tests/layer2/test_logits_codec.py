@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import numpy as np
@@ -260,6 +261,12 @@ def test_float_sample_position_is_refused():
     meta["sample_positions"] = [[6.0, 7, 8], [62, 63, None], [21, 22, 23]]
     with pytest.raises(ProtocolError, match="sample_positions"):
         _decode(fmt, meta, [frame])
+
+
+def test_sample_positions_are_json_ints_and_none_past_the_model_length():
+    positions = sample_positions(np.array([3, 6], dtype=np.int64), K, 9)
+    assert positions == [[4, 5, 6], [7, 8, None]]
+    assert json.loads(json.dumps(positions)) == positions
 
 
 def test_missing_frame_is_refused():

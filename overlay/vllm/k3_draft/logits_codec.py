@@ -141,13 +141,6 @@ def _slot_positions(
     return anchors + np.arange(1, num_speculative_tokens + 1)
 
 
-def _wire_positions(positions: np.ndarray, max_model_len: int) -> list:
-    rows = positions.tolist()
-    if positions.size and positions.max() >= max_model_len:
-        rows = [[p if p < max_model_len else None for p in row] for row in rows]
-    return rows
-
-
 def sample_positions(
     anchor_positions: Sequence[int] | np.ndarray,
     num_speculative_tokens: int,
@@ -155,8 +148,14 @@ def sample_positions(
 ) -> list[list[int | None]]:
     """Per request and slot ``j``: ``anchor + 1 + j``, or None at or past
     ``max_model_len``."""
-    positions = _slot_positions(anchor_positions, num_speculative_tokens)
-    return _wire_positions(positions, max_model_len)
+    # Plain Python: a few dozen ints, built on every PROPOSE.
+    return [
+        [
+            p if p < max_model_len else None
+            for p in range(anchor + 1, anchor + 1 + num_speculative_tokens)
+        ]
+        for anchor in map(int, anchor_positions)
+    ]
 
 
 def encode_logits(
@@ -207,13 +206,13 @@ def _check_positions(
     """``got`` must be the wire form of the slots' positions (ints or None,
     not JSON booleans or floats); returns them as int64 ``[R, K]``, -1 for
     None."""
-    positions = _slot_positions(anchor_positions, num_tokens)
-    if got != _wire_positions(positions, max_model_len) or any(
+    if got != sample_positions(anchor_positions, num_tokens, max_model_len) or any(
         value is not None and type(value) is not int for row in got for value in row
     ):
         raise ProtocolError(
             "logits sample_positions are not the positions of the drafted slots"
         )
+    positions = _slot_positions(anchor_positions, num_tokens)
     return np.where(positions < max_model_len, positions, -1)
 
 
