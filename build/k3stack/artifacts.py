@@ -147,6 +147,16 @@ def _build_in(
     shutil.copyfile(INSTALLER, context / "stack" / "install.py")
 
     applied = stack.upto(layers)
+    dockerfile = (BUILD_DIR / "Dockerfile").read_text()
+    for key, value in {
+        "@BASE_IMAGE@": pin.base_image,
+        "@VERSION@": version,
+        "@UPSTREAM_COMMIT@": pin.commit,
+        "@STACK_HASH@": stack_hash,
+        "@LAYERS@": ",".join(layer.name for layer in applied),
+    }.items():
+        dockerfile = dockerfile.replace(key, value)
+    (context / "Dockerfile").write_text(dockerfile)
     lock = {
         "schema": 1,
         "upstream": {
@@ -191,19 +201,13 @@ def _build_in(
         "artifacts": {
             "wheel": {"filename": wheel.name, "sha256": sha256_file(wheel)},
         },
+        "image": {
+            "dockerfile": _sha(dockerfile.encode()),
+            "installer": sha256_file(INSTALLER),
+        },
     }
     lock_text = json.dumps(lock, indent=2, sort_keys=True) + "\n"
     (context / "stack" / LOCK_NAME).write_text(lock_text)
-    dockerfile = (BUILD_DIR / "Dockerfile").read_text()
-    for key, value in {
-        "@BASE_IMAGE@": pin.base_image,
-        "@VERSION@": version,
-        "@UPSTREAM_COMMIT@": pin.commit,
-        "@STACK_HASH@": stack_hash,
-        "@LAYERS@": ",".join(layer.name for layer in applied),
-    }.items():
-        dockerfile = dockerfile.replace(key, value)
-    (context / "Dockerfile").write_text(dockerfile)
     _normalise(context)
     lock_path = out_dir / LOCK_NAME
     lock_path.write_text(lock_text)

@@ -226,6 +226,16 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def retagged_image(image: str, version: str) -> str:
+    """``image`` (``[registry[:port]/]repository[:tag][@digest]``) at tag
+    ``v{version}``; its digest names another tag's image and is dropped."""
+    name = image.split("@", 1)[0]
+    colon = name.rfind(":")
+    if colon > name.rfind("/"):
+        name = name[:colon]
+    return f"{name}:v{version}"
+
+
 def write_pin(pin: Pin, version: str, tree: Path, sdist: Path, info: dict) -> None:
     """Re-pin to ``version``: hashes of its sdist and wheels, commit from the sdist."""
     version_file = tree / pin.name / "_version.py"
@@ -263,13 +273,15 @@ def write_pin(pin: Pin, version: str, tree: Path, sdist: Path, info: dict) -> No
             f"size = {size}",
             f'sha256 = "{sha}"',
         ]
-    base = pin.base_image.rsplit(":", 1)[0]
+    base = retagged_image(pin.base_image, version)
+    if "@" in pin.base_image:
+        print(f"rebase: the base image was pinned by digest; pin {base} by its digest")
     lines += [
         "",
         "[image]",
         "# The official image of the same release; the stack "
         "adds one small layer on it.",
-        f'base = "{base}:v{version}"',
+        f'base = "{base}"',
         "",
     ]
     PIN_FILE.write_text("\n".join(lines))

@@ -156,6 +156,17 @@ def test_the_lock_records_inputs_tree_and_artifacts(
     assert len(lock["tree"]["package_trees"]["vllm"]) == 40
 
 
+def test_the_lock_records_the_image_recipe(filled: Synthetic, tmp_path: Path) -> None:
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    lock = json.loads(result.lock.read_text())
+    context = tmp_path / "image"
+    assert lock["image"] == {
+        "dockerfile": sha256_file(context / "Dockerfile"),
+        "installer": sha256_file(context / "stack" / "install.py"),
+    }
+
+
 def test_no_docker_engine_is_said_in_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     message = docker_build(tmp_path, "tag")

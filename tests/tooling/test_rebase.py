@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
-from k3stack.rebase import classify
+from k3stack.rebase import classify, retagged_image
 from k3stack.upstream import extract_sdist
 
 
@@ -69,3 +70,24 @@ def test_rebase_recognises_a_layer_that_is_already_upstream(
     )
     assert results[0].status == "already-upstream"
     assert [r.status for r in results[1:]] == ["clean", "clean"]
+
+
+@pytest.mark.parametrize(
+    "image, expected",
+    [
+        ("vllm/vllm-openai:v0.33.0", "vllm/vllm-openai:v0.34.0"),
+        ("vllm/vllm-openai", "vllm/vllm-openai:v0.34.0"),
+        (
+            "reg.example:5000/vllm/vllm-openai",
+            "reg.example:5000/vllm/vllm-openai:v0.34.0",
+        ),
+        (
+            "reg.example:5000/vllm/vllm-openai:v0.33.0@sha256:" + "ab" * 32,
+            "reg.example:5000/vllm/vllm-openai:v0.34.0",
+        ),
+    ],
+)
+def test_a_new_pin_retags_the_base_image_and_drops_its_digest(
+    image: str, expected: str
+) -> None:
+    assert retagged_image(image, "0.34.0") == expected
