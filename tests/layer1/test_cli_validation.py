@@ -187,6 +187,26 @@ def test_server_that_cannot_fit_exits_before_serving(caplog):
     assert "Refusing to serve" in caplog.text
 
 
+def test_device_out_of_memory_during_start_up_is_refused_in_one_line(
+    caplog, monkeypatch
+):
+    def load(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(ReferenceEngine, "load", load)
+    args = parse_args(
+        BASE + ["--status-port", str(free_tcp_port()), "--address", "inproc://never"]
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == (
+        "Refusing to serve: out of device memory: CUDA out of memory. "
+        "Tried to allocate 2.00 GiB"
+    )
+    assert record.exc_info is None
+
+
 def test_status_port_in_use_is_refused_in_one_line(caplog):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

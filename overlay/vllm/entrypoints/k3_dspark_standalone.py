@@ -398,6 +398,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         logger.info("Stopped during start-up")
         status.stop()
         return 0
+    except torch.OutOfMemoryError as exc:
+        # Loading, capture or the warm-up asked for more than the device had
+        # (another process took memory after the plan was checked).
+        logger.error("Refusing to serve: out of device memory: %s", exc)
+        status.stop()
+        return 1
     except (MemoryError, ValueError) as exc:
         # A configuration that cannot fit, or a checkpoint or configuration
         # the engine refuses (CheckpointError and the other ValueErrors).
