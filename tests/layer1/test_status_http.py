@@ -141,3 +141,12 @@ def test_an_idle_connection_is_closed_after_the_request_timeout():
             assert time.monotonic() - start < 5
     finally:
         server.stop()
+
+
+def test_status_serves_on_an_ipv6_host():
+    server = StatusServer(StatusState(), "::1", 0)
+    server.start()
+    try:
+        assert get(f"http://[::1]:{server.httpd.server_address[1]}/healthz")[0] == 200
+    finally:
+        server.stop()

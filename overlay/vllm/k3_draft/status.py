@@ -19,6 +19,7 @@ client that hangs up before its reply is logged at debug level only.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -193,6 +194,13 @@ def _handler(state: StatusState, registry: CollectorRegistry, timeout_s: float) 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        # IPv4 or IPv6, as the host resolves (a bad host: socket.gaierror).
+        self.address_family = socket.getaddrinfo(
+            *address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0][0]
+        super().__init__(address, handler)
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hung up is routine (a probe that timed out); anything
         else is logged, not printed to stderr."""
@@ -224,7 +232,9 @@ class StatusServer:
 
     def start(self) -> None:
         self._thread.start()
-        host, port = self.httpd.server_address[:2]
+        host, port = self.httpd.socket.getsockname()[:2]
+        if ":" in host:
+            host = f"[{host}]"
         logger.info("Draft server status on http://%s:%s", host, port)
 
     def stop(self) -> None:
