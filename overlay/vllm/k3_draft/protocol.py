@@ -162,6 +162,10 @@ def _reject_constant(name: str) -> Any:
     raise ProtocolError(f"header holds the non-JSON constant {name}")
 
 
+# One decoder: json.loads with a keyword builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def decode_header(frame: Any, max_bytes: int) -> dict[str, Any]:
     """Parse frame 0 (any buffer) and check ``protocol`` and ``op``.
 
@@ -173,9 +177,7 @@ def decode_header(frame: Any, max_bytes: int) -> dict[str, Any]:
         raise ProtocolError(f"header has {view.nbytes} bytes, limit {max_bytes}")
     try:
         # Decoded here: json.loads of bytes would also take UTF-16 and UTF-32.
-        header = json.loads(
-            bytes(view).decode("utf-8"), parse_constant=_reject_constant
-        )
+        header = _DECODER.decode(bytes(view).decode("utf-8"))
     except ProtocolError:
         raise
     except (ValueError, RecursionError) as exc:
