@@ -8,12 +8,18 @@ replicated (every rank keeps every token, e.g. a DFlash draft that attends as
 DCP1). ``BlockTables`` (``block_table.py``) takes both from here.
 
 This module imports only torch and triton, so the kernel can be checked on a
-machine without vllm (and under ``TRITON_INTERPRET=1`` on a CPU).
+machine without vllm (and under ``TRITON_INTERPRET=1`` on a CPU). Where Triton
+is not installed (vLLM's CPU backend off x86_64) it takes vLLM's placeholders,
+as upstream's ``block_table`` does.
 """
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    from vllm.triton_utils import tl, triton
 
 
 def sliding_window_reach_under_cp(
