@@ -128,17 +128,62 @@ def gpu(session: nox.Session) -> None:
     session.run("bash", str(ROOT / "ci" / "gpu-h200.sh"), external=True)
 
 
+# bench/bench_<name>.py: (needs a CUDA GPU, extra arguments).
+BENCHMARKS: dict[str, tuple[bool, tuple[str, ...]]] = {
+    "remote_rpc": (False, ()),
+    "draft_logits": (False, ()),
+    "client_plan": (False, ()),
+    "draft_server_gpu": (True, ()),
+    "deferred_resolve": (True, ()),
+    "fused_mla_verify": (
+        True,
+        (
+            "--upstream-kernel",
+            str(ROOT / ".work/tree/vllm/v1/attention/ops/triton_decode_attention.py"),
+        ),
+    ),
+}
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The benchmarks against the applied stack (run `nox -s apply` first).
-
-    Figures are written down with the command that produced them, never
-    asserted."""
+    """The benchmarks against the applied stack (run `nox -s apply` first):
+    all of them, or those named (`nox -s bench -- remote_rpc draft_logits`);
+    the GPU ones only where CUDA is available. Each writes
+    `dist/bench/<name>.json`. Figures are written down with the command that
+    produced them, never asserted."""
+    scripts = {p.stem[len("bench_") :] for p in (ROOT / "bench").glob("bench_*.py")}
+    if scripts != BENCHMARKS.keys():
+        session.error(
+            f"bench/ and BENCHMARKS differ: {sorted(scripts ^ BENCHMARKS.keys())}"
+        )
+    unknown = sorted(set(session.posargs) - BENCHMARKS.keys())
+    if unknown:
+        session.error(f"unknown benchmarks {unknown}; known: {sorted(BENCHMARKS)}")
     session.install("-r", str(REQUIREMENTS))
     python = str(Path(session.bin) / "python")
     site = ROOT / ".work" / "site"
     _stack(session, "site", "--python", python, "--dest", str(site))
-    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+    cuda = "True" in str(
         session.run(
-            "python", str(script), *session.posargs, env={"PYTHONPATH": str(site)}
+            "python",
+            "-c",
+            "import torch; print(torch.cuda.is_available())",
+            silent=True,
+        )
+    )
+    out = ROOT / "dist" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in session.posargs or BENCHMARKS:
+        needs_gpu, args = BENCHMARKS[name]
+        if needs_gpu and not cuda:
+            session.log(f"bench_{name}: skipped, needs a CUDA GPU")
+            continue
+        session.run(
+            "python",
+            str(ROOT / "bench" / f"bench_{name}.py"),
+            *args,
+            "--out",
+            str(out / f"{name}.json"),
+            env={"PYTHONPATH": str(site)},
         )
