@@ -60,10 +60,14 @@ def _builder(
     max_model_len: int = 4096,
     max_num_seqs: int = 12,
     kv_lora_rank: int = 512,
+    capability: tuple[int, int] | None = (9, 0),
 ) -> Any:
+    """The builder of a tiny MLA model on a CUDA device of ``capability``
+    (None: a platform other than CUDA)."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder
     from vllm.v1.attention.ops.dcp import MLADCPManager
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -103,6 +107,16 @@ def _builder(
     )
     monkeypatch.setattr(
         type(current_platform), "num_compute_units", classmethod(lambda c, d=0: 132)
+    )
+    monkeypatch.setattr(
+        type(current_platform), "is_cuda", lambda self: capability is not None
+    )
+    monkeypatch.setattr(
+        type(current_platform),
+        "get_device_capability",
+        classmethod(
+            lambda cls, device_id=0: capability and DeviceCapability(*capability)
+        ),
     )
     spec = MLAAttentionSpec(
         block_size=block_size,
@@ -180,13 +194,35 @@ def test_not_eligible_without_spec_decode_or_other_dims(
     assert b.reorder_batch_threshold == 1
 
 
-def test_rocm_keeps_the_upstream_path(
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])
+def test_devices_other_than_hopper_keep_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capability: Any
+) -> None:
+    # Ampere/Ada shared memory does not hold the default tilings; other
+    # architectures and platforms (ROCm, XPU, CPU) are not proven.
+    builder = _builder(model_dir, monkeypatch, capability=capability)
+    assert builder.k3_verify is None
+    meta = builder.build(0, _common([100, 100], [4, 4], 16))
+    assert getattr(meta.decode, "verify_plan", None) is None
+
+
+@pytest.mark.parametrize(
+    "env", [{"VLLM_K3_FUSED_MLA_VERIFY": "0"}, {"VLLM_BATCH_INVARIANT": "1"}]
+)
+def test_switch_off_and_batch_invariance_keep_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _builder(model_dir, monkeypatch).k3_verify is None
+
+
+def test_a_malformed_switch_is_refused(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
-    assert _builder(model_dir, monkeypatch).k3_verify is None
+    monkeypatch.setenv("VLLM_K3_FUSED_MLA_VERIFY", "yes")
+    with pytest.raises(ValueError, match="VLLM_K3_FUSED_MLA_VERIFY"):
+        _builder(model_dir, monkeypatch)
 
 
 def test_dcp_verify_batches_are_decodes_on_the_fused_path(

@@ -11,8 +11,9 @@ Contracts:
 
 - ``fused_verify_eligible``: the builder may take uniform causal verify
   batches of ``query_len`` in ``MIN_QUERY_LEN..MAX_QUERY_LEN`` (also under
-  DCP) only if the MLA dims are the kernel's (512 latent + 64 rope) and the
-  speculative decode query length fits that range.
+  DCP) only on a Hopper CUDA device, with ``VLLM_K3_FUSED_MLA_VERIFY`` on and
+  batch invariance off, if the MLA dims are the kernel's (512 latent + 64
+  rope) and the speculative decode query length fits that range.
 - ``FusedVerifyPlanner`` (one per metadata builder): graph-stable plans per
   power-of-two batch capacity (1, 2, 4, ... plus ``max_num_seqs``); the row
   capacity and the page-table width are checked at construction, errors are
@@ -78,12 +79,23 @@ def local_span(global_len: int, dcp_size: int, cp_interleave: int) -> int:
     return kernel.local_kv_len(global_len, dcp_size, 0, cp_interleave)
 
 
-def fused_verify_eligible(vllm_config: "VllmConfig", layer_names: list[str]) -> bool:
-    """Whether the builder of ``layer_names`` routes verify batches here
-    (never on ROCm: the kernels are proven on CUDA only)."""
+def fused_verify_eligible(
+    vllm_config: "VllmConfig", layer_names: list[str], device: torch.device
+) -> bool:
+    """Whether the builder of ``layer_names`` on ``device`` routes verify
+    batches here: ``VLLM_K3_FUSED_MLA_VERIFY`` on, not batch-invariant mode
+    (whose verify rows must run the decode kernel), and a CUDA device of
+    compute capability 9.x, where the kernels are proven (elsewhere their
+    tilings may not fit the shared memory, and ROCm reports CUDA devices)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_rocm():
+    if not envs.VLLM_K3_FUSED_MLA_VERIFY or envs.VLLM_BATCH_INVARIANT:
+        return False
+    device_id = device.index if device.index is not None else 0
+    if not (
+        current_platform.is_cuda()
+        and current_platform.is_device_capability_family(90, device_id)
+    ):
         return False
     spec = vllm_config.speculative_config
     if spec is None or spec.num_speculative_tokens is None:
@@ -178,14 +190,11 @@ class FusedVerifyPlanner:
         for qlen in range(MIN_QUERY_LEN, max_query_len + 1):
             plans = []
             for cap in capacities:
-                if envs.VLLM_BATCH_INVARIANT:
-                    splits = 1
-                else:
-                    splits = kernel.choose_num_kv_splits(
-                        cap, num_heads, qlen, span, sm_count
-                    )
-                    # Stay within the workspace upstream reserves.
-                    splits = max(1, min(splits, max_splits))
+                splits = kernel.choose_num_kv_splits(
+                    cap, num_heads, qlen, span, sm_count
+                )
+                # Stay within the workspace upstream reserves.
+                splits = max(1, min(splits, max_splits))
                 plans.append(
                     VerifyPlan(
                         capacity=cap,
