@@ -17,6 +17,7 @@ from vllm.k3_draft.client import IncompatibleServerError
 from vllm.k3_draft.plan import RemotePlan
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
+    NoDraftIds,
 )
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
@@ -143,6 +144,28 @@ def test_unreachable_server_starts_without_drafts(make_speculator):
     )
     assert speculator.plan.server is None
     assert (_propose(speculator) == -1).all()
+
+
+def test_empty_draft_slots_are_hidden_from_the_embedding_until_sampling(
+    make_speculator,
+):
+    # A step after a failed-closed proposal: last sampled token, then K -1s.
+    speculator, _ = make_speculator(
+        f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=200
+    )
+    drafts = _propose(speculator)[0]
+    input_ids = torch.cat([torch.tensor([42]), drafts, torch.tensor([7, 8])])
+    embedding = torch.randn(64, 4)
+    with pytest.raises(IndexError):
+        torch.nn.functional.embedding(input_ids, embedding)
+    ids = NoDraftIds()
+    ids.hide(input_ids)
+    torch.nn.functional.embedding(input_ids, embedding)
+    assert input_ids.tolist() == [42, 0, 0, 0, 7, 8]
+    ids.show()
+    assert input_ids.tolist() == [42, -1, -1, -1, 7, 8]
+    ids.show()
+    assert input_ids.tolist() == [42, -1, -1, -1, 7, 8]
 
 
 def test_request_state_exposes_the_host_token_table(monkeypatch):

@@ -142,6 +142,33 @@ def remote_curve_keys() -> CurveKeys | None:
     return CurveKeys.load(server_key, client_key)
 
 
+class NoDraftIds:
+    """The verifier's input ids around a step with remote drafts.
+
+    A draft slot the remote draft left empty holds ``NO_DRAFT`` (-1) in the
+    input ids, where upstream's rejection sampler reads it back (a draft it
+    always rejects); no embedding may look it up (an eager one faults on the
+    device). ``hide`` (before the forward) puts token 0 there and ``show``
+    (before sampling) puts ``NO_DRAFT`` back; the model's outputs at those
+    positions are never used, since verification stops at the empty slot.
+    """
+
+    def __init__(self) -> None:
+        self._input_ids: torch.Tensor | None = None
+        self._empty: torch.Tensor | None = None
+
+    def hide(self, input_ids: torch.Tensor) -> None:
+        self._empty = input_ids < 0
+        self._input_ids = input_ids
+        input_ids.clamp_(min=0)
+
+    def show(self) -> None:
+        if self._input_ids is not None:
+            assert self._empty is not None
+            self._input_ids.masked_fill_(self._empty, NO_DRAFT)
+        self._input_ids = self._empty = None
+
+
 class RemoteK3DSparkSpeculator(BaseSpeculator):
     """Proposes DFlash/DSpark drafts from a remote draft server."""
 
