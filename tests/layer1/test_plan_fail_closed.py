@@ -6,6 +6,7 @@ server never would."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -17,7 +18,13 @@ from k3_layer1_server import free_tcp_port
 
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient, ServerRequirements
-from vllm.k3_draft.plan import NO_DRAFT, RemotePlan, StepInputs, StepRequest
+from vllm.k3_draft.plan import (
+    NO_DRAFT,
+    ProposeExtension,
+    RemotePlan,
+    StepInputs,
+    StepRequest,
+)
 
 pytest_plugins = ("conftest_client",)
 
@@ -293,3 +300,48 @@ def test_server_restart_forgets_retained_requests(plan, scripted_server):
     plan.run(_step(["a"], first=8))
     assert scripted_server.ops() == ["PING", "PROPOSE"]
     assert scripted_server.log[1][1]["requests"][0]["reset"]
+
+
+class _ConsumeBugOnce(ProposeExtension):
+    """A propose extension whose first ``consume`` fails with a bug (an
+    exception other than ``ProtocolError``)."""
+
+    capability = "test_cap_v1"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
+        return {}
+
+    def consume(self, metadata, frames, proposal):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("extension bug")
+        return None
+
+
+def test_requests_of_a_propose_that_raised_unexpectedly_are_freed_next_step(
+    scripted_server,
+):
+    # The server answered, so it holds "a"; the error escapes the plan (a
+    # deferred reply thread logs it and goes on), and "a" never comes back.
+    scripted_server.pong["capabilities"] = [_ConsumeBugOnce.capability]
+    scripted_server.handlers["PROPOSE"] = lambda header, frames: _reply(
+        tokens=[[1, 2, 3]] * len(header["requests"]),
+        extensions=[{"capability": _ConsumeBugOnce.capability, "num_frames": 0}],
+    )
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    needs = dataclasses.replace(
+        NEEDS, capabilities=frozenset({_ConsumeBugOnce.capability})
+    )
+    plan = RemotePlan(client, needs, [_ConsumeBugOnce()], retry_interval_s=0.0)
+    try:
+        with pytest.raises(ValueError, match="extension bug"):
+            plan.run(_step(["a"]))
+        scripted_server.log.clear()
+        assert plan.run(_step(["b"])).tokens.tolist() == [[1, 2, 3]]
+    finally:
+        client.close()
+    frees = [header for op, header in scripted_server.log if op == "FREE"]
+    assert [free["request_ids"] for free in frees] == [["a"]]

@@ -605,10 +605,13 @@ class RemotePlan:
             round_trip_ms = (time.perf_counter() - sent) * 1e3
             tokens = parse_tokens(header, len(requests), k, self.needs.vocab_size)
             payloads = self._consume(header, reply_frames, proposal)
-        except (TransportError, ProtocolError, RemoteError) as exc:
+        except BaseException as exc:
+            # The server may hold the requests whatever failed here (an
+            # extension's bug too, which a deferred reply thread only logs):
+            # FREE them on the next step.
             for r in requests:
                 self._mark_stale(r.request_id)
-            if isinstance(exc, TransportError):
+            if not isinstance(exc, (ProtocolError, RemoteError)):
                 raise
             logger.warning("Draft PROPOSE failed (%s); no drafts this step", exc)
             # Handshake again next step: a restarted server answers this way.
