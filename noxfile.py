@@ -111,19 +111,24 @@ def typecheck(session: nox.Session) -> None:
         session.run("mypy", str(folder.relative_to(ROOT)), env={"MYPYPATH": path})
 
 
-@nox.session(venv_backend="none")
-def gpu(session: nox.Session) -> None:
-    """The GPU-marked tests, the multi-rank checks and the GPU benchmark, on a
-    machine with CUDA (``ci/gpu-h200.sh``); skipped with one line elsewhere."""
+def _has_cuda(session: nox.Session, python: str) -> bool:
+    """Whether torch under ``python`` sees a CUDA device (False without torch)."""
     probe = session.run(
-        "python3",
+        python,
         "-c",
         "import torch; print(torch.cuda.is_available())",
         silent=True,
         success_codes=[0, 1],
         external=True,
     )
-    if not probe or "True" not in str(probe):
+    return "True" in str(probe)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU-marked tests, the multi-rank checks and the GPU benchmark, on a
+    machine with CUDA (``ci/gpu-h200.sh``); skipped with one line elsewhere."""
+    if not _has_cuda(session, "python3"):
         session.skip("no CUDA device here: the GPU tests run on a machine with one")
     session.run("bash", str(ROOT / "ci" / "gpu-h200.sh"), external=True)
 
@@ -164,14 +169,7 @@ def bench(session: nox.Session) -> None:
     python = str(Path(session.bin) / "python")
     site = ROOT / ".work" / "site"
     _stack(session, "site", "--python", python, "--dest", str(site))
-    cuda = "True" in str(
-        session.run(
-            "python",
-            "-c",
-            "import torch; print(torch.cuda.is_available())",
-            silent=True,
-        )
-    )
+    cuda = _has_cuda(session, python)
     out = ROOT / "dist" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     for name in session.posargs or BENCHMARKS:

@@ -133,14 +133,6 @@ def requested_format(header: Mapping[str, Any], vocab_size: int) -> LogitsFormat
     return LogitsFormat(vocab_size, topk or 0) if wanted else None
 
 
-def _slot_positions(
-    anchor_positions: Sequence[int] | np.ndarray, num_speculative_tokens: int
-) -> np.ndarray:
-    """int64 ``[R, K]``: ``anchor + 1 + j``."""
-    anchors = np.asarray(anchor_positions, dtype=np.int64).reshape(-1, 1)
-    return anchors + np.arange(1, num_speculative_tokens + 1)
-
-
 def sample_positions(
     anchor_positions: Sequence[int] | np.ndarray,
     num_speculative_tokens: int,
@@ -206,14 +198,15 @@ def _check_positions(
     """``got`` must be the wire form of the slots' positions (ints or None,
     not JSON booleans or floats); returns them as int64 ``[R, K]``, -1 for
     None."""
-    if got != sample_positions(anchor_positions, num_tokens, max_model_len) or any(
+    expected = sample_positions(anchor_positions, num_tokens, max_model_len)
+    if got != expected or any(
         value is not None and type(value) is not int for row in got for value in row
     ):
         raise ProtocolError(
             "logits sample_positions are not the positions of the drafted slots"
         )
-    positions = _slot_positions(anchor_positions, num_tokens)
-    return np.where(positions < max_model_len, positions, -1)
+    rows = [[-1 if p is None else p for p in row] for row in expected]
+    return np.array(rows, dtype=np.int64).reshape(len(expected), num_tokens)
 
 
 def _check_values(values: np.ndarray) -> None:

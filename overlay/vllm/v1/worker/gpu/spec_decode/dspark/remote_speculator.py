@@ -154,19 +154,18 @@ class NoDraftIds:
     """
 
     def __init__(self) -> None:
-        self._input_ids: torch.Tensor | None = None
-        self._empty: torch.Tensor | None = None
+        # The input ids last hidden and where they held NO_DRAFT.
+        self._hidden: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def hide(self, input_ids: torch.Tensor) -> None:
-        self._empty = input_ids < 0
-        self._input_ids = input_ids
+        self._hidden = (input_ids, input_ids < 0)
         input_ids.clamp_(min=0)
 
     def show(self) -> None:
-        if self._input_ids is not None:
-            assert self._empty is not None
-            self._input_ids.masked_fill_(self._empty, NO_DRAFT)
-        self._input_ids = self._empty = None
+        if self._hidden is not None:
+            input_ids, empty = self._hidden
+            input_ids.masked_fill_(empty, NO_DRAFT)
+        self._hidden = None
 
 
 class RemoteK3DSparkSpeculator(BaseSpeculator):
