@@ -6,7 +6,9 @@ A real reference-engine draft server process on loopback TCP (as in
 ``bench_remote_rpc.py``) answers steady-state PROPOSEs of ``batch`` requests,
 K = 3, 4 context rows of 3 x 7168 bf16 per request, driven through
 ``RemotePlan.run`` as the speculator's ``exchange`` drives it (rank 0; on the
-reply thread when resolution is deferred, layer 3). Reported per batch (p50
+reply thread when resolution is deferred, layer 3). Each batch runs twice:
+every row kept (the rows frame is a view of the staged rows) and the last
+row of every request rejected (the kept rows are gathered). Reported per case (p50
 and p90 over the iterations, microseconds): the whole ``run``, the time spent
 inside the socket's send and receive (the server's handling and the
 transport), and their difference: the client's own work (plan, row gather,
@@ -70,9 +72,10 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def measure(plan: RemotePlan, timed: _TimedSocket, batch: int, args) -> dict:
-    """``args.iters`` steady-state steps of ``batch`` fresh requests."""
-    ids = [f"b{batch}-{i}" for i in range(batch)]
+def measure(plan: RemotePlan, timed: _TimedSocket, batch: int, kept: int, args) -> dict:
+    """``args.iters`` steady-state steps of ``batch`` fresh requests, each
+    keeping ``kept`` of its ``ROWS_PER_REQUEST`` rows."""
+    ids = [f"b{batch}-k{kept}-{i}" for i in range(batch)]
     rows = torch.randn(batch * ROWS_PER_REQUEST, WIDTH).bfloat16()
     first = 0
     run_us, wire_us, own_us = [], [], []
@@ -81,7 +84,7 @@ def measure(plan: RemotePlan, timed: _TimedSocket, batch: int, args) -> dict:
             StepRequest(
                 request_id=rid,
                 first_position=first,
-                num_context=ROWS_PER_REQUEST,
+                num_context=kept,
                 anchor_token_id=11,
                 row_offset=i * ROWS_PER_REQUEST,
                 tokens=None,
@@ -92,7 +95,7 @@ def measure(plan: RemotePlan, timed: _TimedSocket, batch: int, args) -> dict:
         start = time.perf_counter()
         result = plan.run(StepInputs(requests, K, rows))
         elapsed = time.perf_counter() - start
-        first += ROWS_PER_REQUEST
+        first += kept
         if (result.tokens < 0).any():
             raise RuntimeError(f"step {step} got no drafts: {result.tokens}")
         if step >= args.warmup:
@@ -101,6 +104,7 @@ def measure(plan: RemotePlan, timed: _TimedSocket, batch: int, args) -> dict:
             own_us.append((elapsed - timed.seconds) * 1e6)
     return {
         "batch": batch,
+        "kept_rows": kept,
         "run_us": _quantiles(run_us),
         "send_recv_us": _quantiles(wire_us),
         "client_own_us": _quantiles(own_us),
@@ -137,18 +141,28 @@ def main() -> None:
         # Instrument the client's socket (a private attribute: this is a probe).
         timed = _TimedSocket(client._socket)
         client._socket = timed
-        results = [measure(plan, timed, batch, args) for batch in (1, 8)]
+        results = [
+            measure(plan, timed, batch, kept, args)
+            for batch in (1, 8)
+            for kept in (ROWS_PER_REQUEST, ROWS_PER_REQUEST - 1)
+        ]
     finally:
         client.close()
         proc.terminate()
         proc.wait()
-    print(f"{'batch':>5} {'run p50/p90 us':>16} {'send+recv':>14} {'client own':>14}")
+    print(
+        f"{'batch':>5} {'kept':>4} {'run p50/p90 us':>16} {'send+recv':>14} "
+        f"{'client own':>14}"
+    )
     for r in results:
         cells = [
             f"{r[key]['p50']:.0f}/{r[key]['p90']:.0f}"
             for key in ("run_us", "send_recv_us", "client_own_us")
         ]
-        print(f"{r['batch']:>5} {cells[0]:>16} {cells[1]:>14} {cells[2]:>14}")
+        print(
+            f"{r['batch']:>5} {r['kept_rows']:>4} {cells[0]:>16} {cells[1]:>14} "
+            f"{cells[2]:>14}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"results": results}, indent=1))
 

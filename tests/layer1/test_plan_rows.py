@@ -9,7 +9,7 @@ import torch
 from test_plan_fail_closed import NEEDS, WIDTH
 
 from vllm.k3_draft.client import DraftClient
-from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest, gather_rows
+from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest, rows_frame
 
 pytest_plugins = ("conftest_client",)
 
@@ -21,12 +21,18 @@ def _special_bf16_rows(count: int) -> torch.Tensor:
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
-def test_gather_rows_copies_the_bytes_of_the_selected_rows():
+def test_adjacent_spans_are_sent_as_a_view_of_the_staged_rows():
     rows = _special_bf16_rows(12)
-    index = np.array([7, 0, 11, 3, 3], dtype=np.int64)
-    gathered = gather_rows(rows, index)
-    expected = rows.view(torch.int16)[torch.from_numpy(index)]
-    assert gathered.tobytes() == expected.numpy().tobytes()
+    frame = rows_frame(rows, [(2, 5), (5, 9)])
+    assert np.shares_memory(frame, rows.view(torch.int16).numpy())
+    assert frame.tobytes() == rows[2:9].view(torch.int16).numpy().tobytes()
+
+
+def test_separate_spans_are_gathered_in_order():
+    rows = _special_bf16_rows(12)
+    frame = rows_frame(rows, [(8, 11), (0, 2), (4, 8)])
+    expected = torch.cat([rows[8:11], rows[0:2], rows[4:8]]).view(torch.int16)
+    assert frame.tobytes() == expected.numpy().tobytes()
 
 
 def test_propose_carries_each_requests_rows_without_the_rejected_ones(

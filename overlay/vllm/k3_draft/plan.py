@@ -227,16 +227,25 @@ class _TimingLog:
         self._reset()
 
 
-def gather_rows(rows: torch.Tensor, index: np.ndarray) -> np.ndarray:
-    """The bytes of ``rows[index]`` (rows of a C-contiguous CPU tensor) as a
-    contiguous uint8 array ``[len(index), row bytes]``.
+def rows_frame(rows: torch.Tensor, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The bytes of ``rows[start:end]`` for each ``(start, end)`` span, in
+    order (rows of a C-contiguous CPU tensor), as a uint8 array ``[rows, row
+    bytes]`` for ZeroMQ's zero-copy send.
 
-    On layer 3's reply thread every torch call releases and retakes the GIL,
-    and each retake waits up to the interpreter's switch interval while the
-    runner's Python holds it; numpy's ``take`` makes one such call for the
-    whole copy, on one core.
+    Adjacent spans (no row rejected or left out) are a view of ``rows``: the
+    caller rewrites them only after the round trip (the synchronous path
+    returns first; layer 3's device copy waits behind the gate its reply
+    thread releases). After a failed round trip the socket is closed with
+    LINGER 0, which drops a message not yet sent whole. Other spans are
+    gathered by one ``np.take`` (no torch call: on layer 3's reply thread
+    each would release the GIL and wait up to the interpreter's switch
+    interval to take it back).
     """
-    return np.take(rows.view(torch.uint8).numpy(), index, axis=0)
+    source = rows.view(torch.uint8).numpy()
+    if all(end == start for (_, end), (start, _) in zip(spans, spans[1:])):
+        return source[spans[0][0] : spans[-1][1]]
+    index = np.concatenate([np.arange(start, end) for start, end in spans])
+    return np.take(source, index, axis=0)
 
 
 def _number(value: Any) -> bool:
@@ -568,15 +577,16 @@ class RemotePlan:
         k = max(step.num_speculative_tokens, 1)
         requests = [step.requests[i] for i, _ in entries]
         spans = [
-            np.arange(r.row_offset, r.row_offset + r.num_context) for r in requests
+            (r.row_offset, r.row_offset + r.num_context)
+            for r in requests
+            if r.num_context
         ]
-        index = np.concatenate(spans) if spans else np.empty(0, np.int64)
-        positions = np.concatenate(
-            [np.arange(r.first_position, r.anchor_position) for r in requests]
-        ).astype(np.int64)
         frames: list[Any] = []
-        if len(index):
-            frames = [positions.data, gather_rows(step.rows, index).data]
+        if spans:
+            positions = np.concatenate(
+                [np.arange(r.first_position, r.anchor_position) for r in requests]
+            ).astype(np.int64)
+            frames = [positions.data, rows_frame(step.rows, spans).data]
         proposal = Proposal(
             request_ids=tuple(r.request_id for r in requests),
             batch_rows=np.array([i for i, _ in entries], dtype=np.int64),
