@@ -345,3 +345,41 @@ def test_requests_of_a_propose_that_raised_unexpectedly_are_freed_next_step(
         client.close()
     frees = [header for op, header in scripted_server.log if op == "FREE"]
     assert [free["request_ids"] for free in frees] == [["a"]]
+
+
+def _free_reply(active: int):
+    return lambda header, frames: [
+        protocol.encode_header(protocol.ok_reply("FREE", active_requests=active))
+    ]
+
+
+def test_requests_the_server_holds_past_the_plans_knowledge_are_cleared(
+    plan, scripted_server
+):
+    """A PROPOSE that reached the server after the FREE of its requests (late,
+    past a timeout) left a request there that no FREE will ever name: the
+    server is cleared and every request starts afresh."""
+    plan.run(_step(["a", "b"]))
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a", "b"], first=4))
+    del scripted_server.handlers["PROPOSE"]
+    # After the FREE of the stale a and b, the server still holds one.
+    scripted_server.handlers["FREE"] = _free_reply(1)
+    scripted_server.log.clear()
+    result = plan.run(_step(["c"], first=0))
+    assert (result.tokens == 5).all()
+    assert scripted_server.ops()[-3:] == ["FREE", "CLEAR", "PROPOSE"]
+    assert list(plan.retained) == ["c"]
+
+
+def test_a_server_holding_only_the_plans_requests_is_not_cleared(plan, scripted_server):
+    plan.run(_step(["a", "b"]))
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a"], first=4))
+    del scripted_server.handlers["PROPOSE"]
+    scripted_server.handlers["FREE"] = _free_reply(1)  # b
+    scripted_server.log.clear()
+    result = plan.run(_step(["b"], first=4))
+    assert (result.tokens == 5).all()
+    assert "CLEAR" not in scripted_server.ops()
+    assert list(plan.retained) == ["b"]

@@ -58,6 +58,15 @@ def reference_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def second_reference_server(tmp_path_factory: pytest.TempPathFactory):
+    """Another reference server, for a second verifier: a draft server serves
+    one verifier (a FREE reply counting another's requests clears it)."""
+    server = DraftServerProcess(tmp_path_factory.mktemp("l3logits-second")).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(autouse=True)
 def reference_gumbel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
@@ -197,13 +206,20 @@ def test_layer_2_extension_is_deferral_safe_others_are_not(
 @pytest.mark.parametrize("outstanding", [False, True])
 @pytest.mark.parametrize("topk", [0, 16])
 def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
-    make_speculator, probabilistic, reference_server, monkeypatch, topk, outstanding
+    make_speculator,
+    probabilistic,
+    reference_server,
+    second_reference_server,
+    monkeypatch,
+    topk,
+    outstanding,
 ):
     """Over several steps, including one whose logits ``consume`` fails in
-    both verifiers (layer 2's staging cursor does not advance there)."""
+    both verifiers (layer 2's staging cursor does not advance there); each
+    verifier has its own reference draft server."""
     monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
     immediate, _ = make_speculator(reference_server.address, probabilistic)
-    deferred_spec, _ = make_speculator(reference_server.address, probabilistic)
+    deferred_spec, _ = make_speculator(second_reference_server.address, probabilistic)
     strategy = _deferred(deferred_spec, outstanding)
     ext_i, ext_d = _extension(immediate), _extension(deferred_spec)
     published = _record_publish(ext_d, monkeypatch)

@@ -630,13 +630,22 @@ def reference_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def second_reference_server(tmp_path_factory: pytest.TempPathFactory):
+    """Another reference server, for a second verifier: a draft server serves
+    one verifier (a FREE reply counting another's requests clears it)."""
+    server = DraftServerProcess(tmp_path_factory.mktemp("l3draft-second")).start()
+    yield server
+    server.stop()
+
+
 def test_deferred_and_immediate_give_identical_draft_state(
-    make_speculator, reference_server
+    make_speculator, reference_server, second_reference_server
 ):
-    """Two verifiers drive the same steps (different request ids) through the
-    reference draft server: one immediate, one deferred."""
+    """Two verifiers drive the same steps (different request ids), each
+    through its own reference draft server: one immediate, one deferred."""
     immediate, _ = make_speculator(reference_server.address)
-    deferred_spec, _ = make_speculator(reference_server.address)
+    deferred_spec, _ = make_speculator(second_reference_server.address)
     strategy = _deferred(deferred_spec)
     got: list[torch.Tensor] = []
     want: list[torch.Tensor] = []

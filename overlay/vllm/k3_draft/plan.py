@@ -9,7 +9,9 @@ turns one verifier step (``StepInputs``) into RPCs, in this order:
    changed ``server_id`` means the server restarted and everything retained is
    forgotten);
 2. one FREE of the stale requests and of the least recently used requests not
-   in the batch that must make room (FREE of an unknown id is a no-op);
+   in the batch that must make room (FREE of an unknown id is a no-op); a
+   reply counting more requests on the server than the plan retains means a
+   late PROPOSE left some there: CLEAR, and every request starts afresh;
 3. per request that the server cannot simply continue: RECONNECT from a
    retained prefix whose tokens are identical, else a cold bootstrap (``reset``
    at its first context position);
@@ -50,6 +52,7 @@ from vllm.k3_draft.client import (
 from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.protocol import (
     MAX_REQUEST_ID_CHARS,
+    OP_CLEAR,
     OP_FREE,
     OP_PROPOSE,
     OP_RECONNECT,
@@ -398,10 +401,10 @@ class RemotePlan:
                 self._run(step, batch, result)
         except TransportError as exc:
             self._go_offline(exc)
-        except ProtocolError as exc:
-            # A malformed RECONNECT reply (its request is already stale):
-            # fail closed as a malformed PROPOSE reply does.
-            logger.warning("Draft RECONNECT failed (%s); no drafts this step", exc)
+        except (ProtocolError, RemoteError) as exc:
+            # A malformed RECONNECT reply or a refused CLEAR (their requests
+            # are already stale): fail closed as a failed PROPOSE does.
+            logger.warning("Draft RPC failed (%s); no drafts this step", exc)
             self.server = None
         self._previous_batch = batch
         return result
@@ -477,7 +480,7 @@ class RemotePlan:
         if not ids:
             return
         try:
-            self.client.call(OP_FREE, request_ids=ids)
+            reply, _ = self.client.call(OP_FREE, request_ids=ids)
         except (TransportError, ProtocolError, RemoteError) as exc:
             for rid in ids:
                 self.retained[rid].stale = True
@@ -487,6 +490,24 @@ class RemotePlan:
             return
         for rid in ids:
             del self.retained[rid]
+        active = reply.get("active_requests")
+        if type(active) is int and active > len(self.retained):
+            self._clear(active)
+
+    def _clear(self, active: int) -> None:
+        """The server holds ``active`` requests, more than this plan retains:
+        a PROPOSE that reached it after the FREE of its requests (late, past a
+        timeout) left some that no FREE will name, their slots taken for good.
+        CLEAR the server; every request starts afresh."""
+        logger.warning(
+            "Draft server holds %d requests, this verifier knows of %d; clearing it",
+            active,
+            len(self.retained),
+        )
+        for state in self.retained.values():
+            state.stale = True
+        self.client.call(OP_CLEAR)
+        self.retained.clear()
 
     def _reconnect(self, request: StepRequest) -> bool:
         """RECONNECT ``request`` from a retained identical prefix; False when
