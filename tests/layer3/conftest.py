@@ -7,7 +7,32 @@ upstream's Gumbel sampler) by import: put their folders on the path."""
 import sys
 from pathlib import Path
 
+import pytest
+
 for layer in ("layer1", "layer2"):
     folder = str(Path(__file__).resolve().parents[1] / layer)
     if folder not in sys.path:
         sys.path.insert(0, folder)
+
+
+def _serve(tmp_path_factory: pytest.TempPathFactory, name: str):
+    # Imported only when a test asks for a server (the stream-gate tests run
+    # on the GPU machine need none).
+    from k3_layer1_server import DraftServerProcess
+
+    server = DraftServerProcess(tmp_path_factory.mktemp(name)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_server(tmp_path_factory: pytest.TempPathFactory):
+    """A reference-engine draft server process for the module's tests."""
+    yield from _serve(tmp_path_factory, "draft")
+
+
+@pytest.fixture(scope="module")
+def second_reference_server(tmp_path_factory: pytest.TempPathFactory):
+    """Another, for a second verifier: a draft server serves one verifier (a
+    FREE reply counting another's requests clears it)."""
+    yield from _serve(tmp_path_factory, "draft-second")

@@ -27,7 +27,6 @@ import k3_l2_reference
 import numpy as np
 import pytest
 import torch
-from k3_layer1_server import DraftServerProcess
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm.k3_draft import stream_gate
@@ -49,22 +48,6 @@ pytest_plugins = ("conftest_client",)
 K = 3
 SLOTS = [3, 5]
 TEMPERATURES = (0.7, 1.3)
-
-
-@pytest.fixture(scope="module")
-def reference_server(tmp_path_factory: pytest.TempPathFactory):
-    server = DraftServerProcess(tmp_path_factory.mktemp("l3logits")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def second_reference_server(tmp_path_factory: pytest.TempPathFactory):
-    """Another reference server, for a second verifier: a draft server serves
-    one verifier (a FREE reply counting another's requests clears it)."""
-    server = DraftServerProcess(tmp_path_factory.mktemp("l3logits-second")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(autouse=True)

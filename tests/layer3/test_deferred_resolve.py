@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from k3_layer1_server import DraftServerProcess
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm import envs
@@ -621,22 +620,6 @@ def test_a_pending_reply_does_not_delay_interpreter_exit(scripted_server, tmp_pa
 
 
 # ------------------------------------------------------------ numerics
-
-
-@pytest.fixture(scope="module")
-def reference_server(tmp_path_factory: pytest.TempPathFactory):
-    server = DraftServerProcess(tmp_path_factory.mktemp("l3draft")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def second_reference_server(tmp_path_factory: pytest.TempPathFactory):
-    """Another reference server, for a second verifier: a draft server serves
-    one verifier (a FREE reply counting another's requests clears it)."""
-    server = DraftServerProcess(tmp_path_factory.mktemp("l3draft-second")).start()
-    yield server
-    server.stop()
 
 
 def test_deferred_and_immediate_give_identical_draft_state(
