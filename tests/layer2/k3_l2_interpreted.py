@@ -157,7 +157,10 @@ def _check_publish(topk: int) -> None:
         payload = extension.consume(meta, [bytes(tensor_frame(frame))], proposal)
         drafts = torch.full((4, K), -1)
         step = RemoteStep(
-            input_batch=SimpleNamespace(idx_mapping=torch.tensor([6, 1, 0, 2])),
+            input_batch=SimpleNamespace(
+                idx_mapping=torch.tensor([6, 1, 0, 2]),
+                has_structured_output_reqs=False,
+            ),
             num_reqs=4,
             num_speculative_tokens=K,
             temperature=torch.tensor([0.7, 1.0, 0.0, 1, 1.5, 1, 0.9, 1]),

@@ -175,7 +175,9 @@ def _propose_and_verify(
     )
     temperatures = torch.full((DRAWS,), temperature)
     step = RemoteStep(
-        input_batch=SimpleNamespace(idx_mapping=torch.arange(DRAWS)),
+        input_batch=SimpleNamespace(
+            idx_mapping=torch.arange(DRAWS), has_structured_output_reqs=False
+        ),
         num_reqs=DRAWS,
         num_speculative_tokens=K,
         temperature=temperatures,

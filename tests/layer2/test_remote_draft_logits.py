@@ -350,9 +350,13 @@ def _reply_for(fmt: LogitsFormat, proposal: Proposal, seed: int):
     return meta, [bytes(protocol.tensor_frame(frame))]
 
 
-def _context(drafts: torch.Tensor, idx: list[int]) -> PublishContext:
+def _context(
+    drafts: torch.Tensor, idx: list[int], structured: bool = False
+) -> PublishContext:
     step = RemoteStep(
-        input_batch=SimpleNamespace(idx_mapping=torch.tensor(idx)),
+        input_batch=SimpleNamespace(
+            idx_mapping=torch.tensor(idx), has_structured_output_reqs=structured
+        ),
         num_reqs=len(idx),
         num_speculative_tokens=K,
         temperature=torch.full((8,), 0.9),
@@ -382,6 +386,26 @@ def test_every_rank_publishes_the_same_drafts_and_cache(reference_gumbel, topk):
     # Batch row 1 had no reply: no draft, its cache row (request 1) untouched.
     assert (drafts0[1] == -1).all() and (drafts0[[0, 2]] >= 0).all()
     assert _untouched(ext0.draft_logits, [0, 1, 2, 3, 5, 7])
+
+
+@pytest.mark.parametrize("topk", [0, 5])
+def test_with_structured_outputs_every_slot_drafts_its_likeliest_token_as_a_point_mass(
+    one_rank, reference_gumbel, topk
+):
+    """Upstream resamples a draft the grammar refuses from the target's
+    distribution, not from the residual: exact only when q is a point mass."""
+    fmt = LogitsFormat(40, topk)
+    proposal = Proposal(("x", "y"), np.array([0, 1]), np.array([9, 30]), K)
+    extension = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+    meta, frames = _reply_for(fmt, proposal, 3)
+    payload = extension.consume(meta, frames, proposal)
+    drafts = torch.full((2, K), -1)
+    extension.publish(payload, _context(drafts, [4, 1], structured=True))
+    sent = torch.randn(2, K, 40, generator=torch.Generator().manual_seed(3))
+    likeliest = sent.bfloat16().float().argmax(-1)
+    assert torch.equal(drafts, likeliest)
+    point_mass = torch.full((2, K, 40), FILL).scatter_(-1, likeliest[..., None], 0.0)
+    assert torch.equal(extension.draft_logits[[4, 1]].float(), point_mass)
 
 
 def test_two_consumed_replies_publish_their_own_logits(one_rank, reference_gumbel):

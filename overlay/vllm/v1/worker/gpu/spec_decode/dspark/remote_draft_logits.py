@@ -27,6 +27,9 @@ bf16 ``[max_num_reqs, K, V]``):
   sample position (no reply for its request, past the model length, or past
   this step's draft width) is masked out of the kernel: it keeps no draft
   (-1) and its cache row is left untouched.
+  In a batch with structured-output requests every row is first made a
+  point mass at its most likely token (a grammar-refused draft is resampled
+  from the target's distribution upstream, which is exact only then).
 
 Deferred resolution (a higher layer) publishes a slot before its reply
 arrives; ``deferral_safe``, ``prepare_staging``, ``select_staging``,
@@ -259,6 +262,15 @@ class RemoteDraftLogits(ProposeExtension):
         if rows.ids is not None and rows.values is not None:
             grid = dense.view(n, k, -1).fill_(FILL)
             grid.scatter_(2, rows.ids[:n].long(), rows.values[:n].view(torch.bfloat16))
+        if step.input_batch.has_structured_output_reqs:
+            # A draft the grammar refuses becomes "no draft" upstream, and the
+            # rejection sampler then resamples that position from the
+            # target's distribution, not from the residual max(p - q, 0):
+            # exact only when q is a point mass. So with structured outputs in
+            # the batch every slot drafts its most likely token, and the cache
+            # row the rejection step reads is that point mass.
+            top = dense.argmax(dim=-1, keepdim=True)
+            dense.fill_(FILL).scatter_(1, top, 0.0)
         idx_mapping = step.input_batch.idx_mapping[:n].to(torch.int64)
         sampled = gumbel_sample(
             dense,
