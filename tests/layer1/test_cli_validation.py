@@ -139,6 +139,56 @@ def test_curve_key_file_without_a_secret_is_refused(tmp_path, capsys):
     assert "holds no secret key" in err
 
 
+def _curve_flags(tmp_path: Path) -> list[str]:
+    """A server certificate and one authorized client's, in ``tmp_path``."""
+    (tmp_path / "clients").mkdir()
+    _, secret = zmq.auth.create_certificates(tmp_path, "server")
+    zmq.auth.create_certificates(tmp_path / "clients", "client")
+    return [
+        "--curve-secret-key",
+        secret,
+        "--curve-authorized-keys",
+        str(tmp_path / "clients"),
+    ]
+
+
+def test_curve_keys_that_load_and_match_parse(tmp_path):
+    assert parse_args(BASE + _curve_flags(tmp_path)).curve is not None
+
+
+def test_curve_key_whose_public_key_is_not_its_secret_keys_is_refused(tmp_path, capsys):
+    flags = _curve_flags(tmp_path)
+    _, other = zmq.auth.create_certificates(tmp_path, "other")
+    other_secret = zmq.auth.load_certificate(other)[1]
+    server = Path(flags[1])
+    secret = zmq.auth.load_certificate(server)[1]
+    server.write_text(
+        server.read_text().replace(secret.decode(), other_secret.decode())
+    )
+    assert "is not its secret key's" in refused(flags, capsys)
+
+
+def test_malformed_curve_secret_key_is_refused(tmp_path, capsys):
+    flags = _curve_flags(tmp_path)
+    server = Path(flags[1])
+    secret = zmq.auth.load_certificate(server)[1].decode()
+    server.write_text(server.read_text().replace(secret, secret + "xy"))
+    assert "malformed secret key" in refused(flags, capsys)
+
+
+def test_a_client_certificate_that_cannot_be_loaded_is_refused(tmp_path, capsys):
+    """pyzmq's authenticator would log it and then refuse every client."""
+    flags = _curve_flags(tmp_path)
+    (tmp_path / "clients" / "notes.key").write_text("# not a certificate\n")
+    assert "cannot load the authorized keys" in refused(flags, capsys)
+
+
+def test_authorized_keys_directory_without_certificates_is_refused(tmp_path, capsys):
+    flags = _curve_flags(tmp_path)
+    (tmp_path / "clients" / "client.key").unlink()
+    assert "no client certificate" in refused(flags, capsys)
+
+
 def test_reference_model_shape_is_validated(capsys):
     assert "num_heads" in refused(["--hidden-size", "60", "--num-heads", "4"], capsys)
 

@@ -44,6 +44,13 @@ def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
         raise ValueError(f"cannot load {what} {path}: {exc}") from exc
     if secret and not secret_key:
         raise ValueError(f"{path} holds no secret key")
+    if secret_key:
+        try:
+            matches = zmq.curve_public(secret_key) == public_key
+        except ValueError as exc:
+            raise ValueError(f"{path}: malformed secret key: {exc}") from exc
+        if not matches:
+            raise ValueError(f"{path}: the public key is not its secret key's")
     return public_key, secret_key or b""
 
 
@@ -63,13 +70,28 @@ class CurveConfig:
         """(public, secret) key of the server; ``ValueError`` if unusable."""
         return load_certificate(self.secret_key_file, "the CURVE key", secret=True)
 
-    def check(self) -> None:
-        """Refuse missing or unreadable key material."""
-        self.load_server_keys()
-        if not os.path.isdir(self.authorized_keys_dir):
+    def authorized_keys(self) -> dict[bytes, bool]:
+        """Public keys of the authorized clients (``*.key`` certificates);
+        ``ValueError`` if the directory is missing, holds a certificate that
+        cannot be read, or holds none. (pyzmq's authenticator only logs such
+        a file and then refuses every client.)"""
+        folder = self.authorized_keys_dir
+        if not os.path.isdir(folder):
+            raise ValueError(f"authorized keys directory {folder} is missing")
+        try:
+            keys = zmq.auth.load_certificates(folder)
+        except (OSError, ValueError) as exc:
             raise ValueError(
-                f"authorized keys directory {self.authorized_keys_dir} is missing"
-            )
+                f"cannot load the authorized keys in {folder}: {exc}"
+            ) from exc
+        if not keys:
+            raise ValueError(f"no client certificate (*.key) in {folder}")
+        return keys
+
+    def check(self) -> None:
+        """Refuse missing, unreadable or inconsistent key material."""
+        self.load_server_keys()
+        self.authorized_keys()
 
 
 def bind_scope(address: str) -> str:
@@ -154,6 +176,7 @@ def secure_socket(
     authenticator; returns it (stop it at shutdown) or None without keys."""
     if curve is None:
         return None
+    curve.authorized_keys()
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     try:
