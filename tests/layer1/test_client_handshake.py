@@ -154,3 +154,14 @@ def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):
             plain.call("PING")
     finally:
         plain.close()
+
+
+def test_a_server_on_ipv6_loopback_serves_the_client(draft_server_factory):
+    from k3_layer1_server import free_tcp_port
+
+    server = draft_server_factory(address=f"tcp://[::1]:{free_tcp_port()}")
+    client = DraftClient(server.address, 5000)
+    try:
+        assert client.handshake(NEEDS).max_requests == 16
+    finally:
+        client.close()

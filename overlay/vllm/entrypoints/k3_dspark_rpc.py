@@ -29,6 +29,7 @@ from vllm.k3_draft.security import (
     CurveConfig,
     check_bind,
     make_curve_server,
+    needs_ipv6,
     secure_socket,
 )
 from vllm.k3_draft.server import DraftServer
@@ -94,6 +95,8 @@ class RpcTransport:
         # per message than polling.
         socket.setsockopt(zmq.RCVTIMEO, _STOP_CHECK_MS)
         socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes())
+        if needs_ipv6(self.address):
+            socket.setsockopt(zmq.IPV6, 1)
         return socket
 
     def _sent(self, tracker: zmq.MessageTracker, stop: threading.Event) -> bool:

@@ -29,7 +29,7 @@ from vllm.k3_draft.protocol import (
     encode_header,
     request_header,
 )
-from vllm.k3_draft.security import load_certificate
+from vllm.k3_draft.security import load_certificate, needs_ipv6
 
 logger = init_logger(__name__)
 
@@ -198,6 +198,8 @@ class DraftClient:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
         socket.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+        if needs_ipv6(self.address):
+            socket.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
             socket.curve_serverkey = self.curve.server_public
             socket.curve_publickey = self.curve.client_public

@@ -126,6 +126,13 @@ def bind_scope(address: str) -> str:
     return "local" if ip.is_loopback else "remote"
 
 
+def needs_ipv6(address: str) -> bool:
+    """Whether ``address`` is TCP to an IPv6 literal (``tcp://[::1]:N``), which
+    a ZeroMQ socket binds or reaches only with ``zmq.IPV6`` set."""
+    transport, _, endpoint = address.partition("://")
+    return transport == "tcp" and endpoint.startswith("[")
+
+
 def _numeric_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """``host`` as the address the resolver reads it as (also the short and
     hex IPv4 forms ``inet_aton`` takes, e.g. ``0``, ``0x0``, ``127.1``), or
