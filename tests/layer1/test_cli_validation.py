@@ -14,7 +14,12 @@ import zmq.auth
 from k3_layer1_server import free_tcp_port
 from zmq.auth.thread import AuthenticationThread
 
-from vllm.entrypoints.k3_dspark_standalone import check_memory_plan, parse_args, run
+from vllm.entrypoints.k3_dspark_standalone import (
+    check_memory_plan,
+    check_memory_used,
+    parse_args,
+    run,
+)
 from vllm.k3_draft.engine import GiB, available_memory
 from vllm.k3_draft.reference_engine import ReferenceEngine
 
@@ -139,6 +144,12 @@ def test_curve_key_file_without_a_secret_is_refused(tmp_path, capsys):
     assert "holds no secret key" in err
 
 
+def _secret(certificate: str | Path) -> str:
+    secret = zmq.auth.load_certificate(certificate)[1]
+    assert secret is not None
+    return secret.decode()
+
+
 def _curve_flags(tmp_path: Path) -> list[str]:
     """A server certificate and one authorized client's, in ``tmp_path``."""
     (tmp_path / "clients").mkdir()
@@ -159,19 +170,15 @@ def test_curve_keys_that_load_and_match_parse(tmp_path):
 def test_curve_key_whose_public_key_is_not_its_secret_keys_is_refused(tmp_path, capsys):
     flags = _curve_flags(tmp_path)
     _, other = zmq.auth.create_certificates(tmp_path, "other")
-    other_secret = zmq.auth.load_certificate(other)[1]
     server = Path(flags[1])
-    secret = zmq.auth.load_certificate(server)[1]
-    server.write_text(
-        server.read_text().replace(secret.decode(), other_secret.decode())
-    )
+    server.write_text(server.read_text().replace(_secret(server), _secret(other)))
     assert "is not its secret key's" in refused(flags, capsys)
 
 
 def test_malformed_curve_secret_key_is_refused(tmp_path, capsys):
     flags = _curve_flags(tmp_path)
     server = Path(flags[1])
-    secret = zmq.auth.load_certificate(server)[1].decode()
+    secret = _secret(server)
     server.write_text(server.read_text().replace(secret, secret + "xy"))
     assert "malformed secret key" in refused(flags, capsys)
 
@@ -196,6 +203,24 @@ def test_reference_model_shape_is_validated(capsys):
 def test_memory_plan_that_fits_passes():
     args = parse_args(BASE)
     check_memory_plan(ReferenceEngine(args.limits, args.reference, args.device), 1.0)
+
+
+def _reserved(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
+    """What torch reports as the peak reserved CUDA memory (no GPU here)."""
+    monkeypatch.setattr(
+        torch.cuda, "max_memory_reserved", lambda device=None: int(gib * GiB)
+    )
+
+
+def test_cuda_memory_reserved_beyond_the_limit_by_start_up_is_refused(monkeypatch):
+    _reserved(monkeypatch, 2.5)
+    with pytest.raises(MemoryError, match="reserved 2.500 GiB .* 2.0"):
+        check_memory_used(torch.device("cuda", 0), 2.0)
+
+
+def test_cuda_memory_reserved_within_the_limit_passes(monkeypatch):
+    _reserved(monkeypatch, 2.5)
+    check_memory_used(torch.device("cuda", 0), 3.0)
 
 
 def test_memory_plan_over_the_limit_is_refused():

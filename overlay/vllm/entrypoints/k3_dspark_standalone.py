@@ -193,7 +193,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--memory-limit-gib",
         type=_positive_float,
         help="device memory the server may use, at most the free memory at "
-        "start (default: all of that)",
+        "start (default: all of that): the memory plan is checked before "
+        "loading and, on CUDA, the memory torch reserved by the end of start-up "
+        "(loading, CUDA graphs, the largest query's warm-up)",
     )
     device.add_argument(
         "--min-free-memory-gib",
@@ -334,6 +336,20 @@ def check_free_after_capture(device: torch.device, min_free_gib: float) -> None:
         )
 
 
+def check_memory_used(device: torch.device, limit_gib: float | None) -> None:
+    """Refuse a CUDA server that reserved more than ``limit_gib`` by the end of
+    start-up: the plan leaves out the working memory of a query pass and the
+    CUDA graphs' pools, which the warm-up and the capture have reserved."""
+    if limit_gib is None or device.type != "cuda":
+        return
+    used = torch.cuda.max_memory_reserved(device)
+    if used > limit_gib * GiB:
+        raise MemoryError(
+            f"start-up reserved {used / GiB:.3f} GiB on {device}, above "
+            f"--memory-limit-gib {limit_gib}"
+        )
+
+
 class StartUpInterrupted(BaseException):
     """SIGTERM/SIGINT before the transport serves (a BaseException, like
     KeyboardInterrupt, so that no ``except Exception`` in loading code
@@ -389,6 +405,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
             engine.load()
             shapes = engine.capture_cuda_graphs()
             check_free_after_capture(engine.device, args.min_free_memory_gib)
+            check_memory_used(engine.device, args.memory_limit_gib)
             load_capability_plugins()
             server = DraftServer(engine, shapes)
             # Long-lived start-up objects need no further cyclic GC passes.
