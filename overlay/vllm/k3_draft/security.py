@@ -70,11 +70,11 @@ class CurveConfig:
         """(public, secret) key of the server; ``ValueError`` if unusable."""
         return load_certificate(self.secret_key_file, "the CURVE key", secret=True)
 
-    def authorized_keys(self) -> dict[bytes, bool]:
-        """Public keys of the authorized clients (``*.key`` certificates);
-        ``ValueError`` if the directory is missing, holds a certificate that
-        cannot be read, or holds none. (pyzmq's authenticator only logs such
-        a file and then refuses every client.)"""
+    def check_authorized_keys(self) -> None:
+        """``ValueError`` unless the authorized clients' directory holds
+        ``*.key`` certificates that all load (pyzmq's authenticator, which
+        loads them again, only logs a bad file and then refuses every
+        client)."""
         folder = self.authorized_keys_dir
         if not os.path.isdir(folder):
             raise ValueError(f"authorized keys directory {folder} is missing")
@@ -86,12 +86,11 @@ class CurveConfig:
             ) from exc
         if not keys:
             raise ValueError(f"no client certificate (*.key) in {folder}")
-        return keys
 
     def check(self) -> None:
         """Refuse missing, unreadable or inconsistent key material."""
         self.load_server_keys()
-        self.authorized_keys()
+        self.check_authorized_keys()
 
 
 def bind_scope(address: str) -> str:
@@ -183,7 +182,7 @@ def secure_socket(
     authenticator; returns it (stop it at shutdown) or None without keys."""
     if curve is None:
         return None
-    curve.authorized_keys()
+    curve.check_authorized_keys()
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     try:
