@@ -80,6 +80,29 @@ def test_header_over_the_byte_limit_is_refused():
         protocol.decode_header(frame, len(frame) - 1)
 
 
+def _timings(scale: float) -> dict[str, float]:
+    return {name: scale * (i + 1) for i, name in enumerate(protocol.TIMING_FIELDS)}
+
+
+def test_propose_reply_decodes_to_the_ok_reply_of_its_fields():
+    timing = _timings(1.23456789)
+    frame = protocol.encode_propose_reply([[5, 6, 7], [8, 9, 10]], timing)
+    decoded = protocol.check_reply(protocol.decode_header(frame, 4096), "PROPOSE")
+    rounded = {name: round(value, 4) for name, value in timing.items()}
+    assert decoded == protocol.ok_reply(
+        "PROPOSE",
+        tokens=[[5, 6, 7], [8, 9, 10]],
+        timing_ms=rounded,
+        latency_ms=rounded["total"],
+    )
+
+
+def test_propose_reply_carries_the_extension_entries():
+    entries = [{"capability": "c", "num_frames": 1, "shape": [1, 3, 4]}]
+    frame = protocol.encode_propose_reply([[1, 2, 3]], _timings(0.5), entries)
+    assert protocol.decode_header(frame, 4096)["extensions"] == entries
+
+
 def test_error_reply_names_type_and_message():
     reply = protocol.error_reply(ProtocolError("bad thing"))
     assert reply == {

@@ -40,6 +40,7 @@ from vllm.k3_draft.protocol import (
     ReplyContext,
     decode_header,
     encode_header,
+    encode_propose_reply,
     error_reply,
     ok_reply,
 )
@@ -220,17 +221,16 @@ class DraftServer:
         self, reply: list[Any], start: float, decoded: float, locked: float
     ) -> None:
         """Fill the PROPOSE reply's timings and encode its header."""
-        header = reply[0]
-        timing = header["timing_ms"]
+        fields = reply[0]
+        timing = fields["timing_ms"]
         timing["decode"] = (decoded - start) * 1e3
         timing["lock_wait"] = (locked - decoded) * 1e3
         total = (time.perf_counter() - start) * 1e3
         timing["total"] = total
-        # 0.1 us resolution keeps the reply short.
-        header["timing_ms"] = {key: round(value, 4) for key, value in timing.items()}
-        header["latency_ms"] = header["timing_ms"]["total"]
         self.stats.observe_propose(total, timing)
-        reply[0] = encode_header(header)
+        reply[0] = encode_propose_reply(
+            fields["tokens"], timing, fields.get("extensions")
+        )
 
     # ----------------------------------------------------------------- ops
 
@@ -252,7 +252,8 @@ class DraftServer:
         try:
             output = self.engine.propose(batch)
             frames_out: list[Any] = []
-            reply = ok_reply(OP_PROPOSE, tokens=output.tokens.tolist())
+            # The header's fields; _finish_propose encodes them.
+            reply: dict[str, Any] = {"tokens": output.tokens.tolist()}
             if parsed.extensions:
                 context = ReplyContext(
                     request_ids=tuple(e.request_id for e in parsed.entries),
@@ -279,7 +280,6 @@ class DraftServer:
         self.stats.proposed_requests += len(parsed.entries)
         self.stats.context_rows += int(batch.positions.shape[0])
         reply["timing_ms"] = dict(output.timings)
-        # The header is encoded by _finish_propose once the timings are final.
         return [reply, *frames_out]
 
     def _apply_propose(self, parsed: ParsedPropose) -> ProposeBatch:

@@ -47,7 +47,7 @@ class RequestState:
     origin: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProposeEntry:
     request_id: str
     reset: bool
@@ -70,9 +70,10 @@ class ParsedPropose:
 
 def check_fields(header: Mapping[str, Any], allowed: frozenset[str]) -> None:
     """Refuse header fields outside ``allowed`` (besides protocol and op)."""
-    unknown = header.keys() - allowed - _ENVELOPE
-    if unknown:
-        raise ProtocolError(f"unknown header fields {sorted(unknown)}")
+    if not allowed.issuperset(header):
+        unknown = header.keys() - allowed - _ENVELOPE
+        if unknown:
+            raise ProtocolError(f"unknown header fields {sorted(unknown)}")
 
 
 def check_frame_count(frames: Sequence[Any], expected: int, op: str) -> None:
@@ -131,7 +132,7 @@ class ProposeParser:
         allowed = {"num_speculative_tokens", "requests"}
         for extension in extensions:
             allowed.update(extension.request_fields)
-        self.allowed = frozenset(allowed)
+        self.allowed = frozenset(allowed) | _ENVELOPE
         self.entry_fields = set(PROPOSE_REQUEST_FIELDS)
 
     def parse(self, header: Mapping[str, Any], frames: Sequence[Any]) -> ParsedPropose:
