@@ -18,6 +18,12 @@ time, and its ratio to the raw round trip (target: at most 1.15 at p50). The
 JSON also holds the server's own handling time (``timing_ms.total``) and the
 round trip minus it (the transport's share).
 
+A third request per iteration asks the raw echo to spin for the server's
+engine time of that iteration before replying: its round trip minus that hold
+(``held_raw_minus_hold_us``, ``held_ratio_p50``) is the floor of a server that
+computes as long as the engine, so what an idle wait costs both sides (threads
+and cores waking up after it) is not counted against the protocol.
+
 Usage::
 
     python bench/bench_remote_rpc.py --iters 2000 --out rpc.json [--device cuda]
@@ -56,17 +62,31 @@ def free_port() -> int:
 
 def raw_echo(address: str) -> None:
     """Serve raw REP: reply with as many zero bytes as the first 8 bytes of
-    the last frame say (so the client controls the reply size)."""
+    the last frame say (so the client controls the reply size), after
+    spinning for as many nanoseconds as its next 8 bytes say (the hold)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REP)
     sock.bind(address)
     replies: dict[int, bytes] = {}
     while True:
         frames = sock.recv_multipart(copy=False)
-        size = int.from_bytes(frames[-1].buffer[:8], "little") if frames else 0
+        received = time.perf_counter()
+        control = frames[-1].buffer
+        size = int.from_bytes(control[:8], "little")
+        hold = int.from_bytes(control[8:16], "little") / 1e9
         if size not in replies:
             replies[size] = b"\0" * size
+        while time.perf_counter() - received < hold:
+            pass
         sock.send(replies[size], copy=False)
+
+
+def raw_frames(frames: list[Any], reply_bytes: int, hold_s: float) -> list[Any]:
+    """``frames`` with the first 16 bytes of the last one replaced by the raw
+    echo's control fields (same sizes)."""
+    hold_ns = int(hold_s * 1e9)
+    control = reply_bytes.to_bytes(8, "little") + hold_ns.to_bytes(8, "little")
+    return [*frames[:-1], control + bytes(frames[-1])[16:]]
 
 
 # A minimal draft: the engine's time is subtracted, its size is not what this
@@ -159,7 +179,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
-    raw_rtt, rtt, engine, handled = [], [], [], []
+    raw_rtt, held_rtt, rtt, engine, handled = [], [], [], [], []
     for index in range(args.warmup + args.iters):
         frames = next_frames()
         start = time.perf_counter()
@@ -171,17 +191,21 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
         timing = header.get("timing_ms", {})
         engine_s = sum(timing.get(key, 0.0) for key in ENGINE_TIMINGS) / 1e3
         handled_s = timing.get("total", 0.0) / 1e3
-        size = len(reply[0].bytes).to_bytes(8, "little")
-        raw_frames = [*frames[:-1], size + bytes(frames[-1])[8:]]
+        size = len(reply[0].bytes)
         start = time.perf_counter()
-        raw.send_multipart(raw_frames, copy=False)
+        raw.send_multipart(raw_frames(frames, size, 0.0), copy=False)
         raw.recv_multipart(copy=False)
         raw_elapsed = time.perf_counter() - start
+        start = time.perf_counter()
+        raw.send_multipart(raw_frames(frames, size, engine_s), copy=False)
+        raw.recv_multipart(copy=False)
+        held_elapsed = time.perf_counter() - start
         if index >= args.warmup:
             rtt.append(elapsed)
             engine.append(engine_s)
             handled.append(handled_s)
             raw_rtt.append(raw_elapsed)
+            held_rtt.append(held_elapsed - engine_s)
     overhead = [r - e for r, e in zip(rtt, engine)]
     result = {
         "case": name,
@@ -192,9 +216,12 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
         "server_total_us": percentiles(handled),
         "rtt_minus_server_total_us": percentiles([r - h for r, h in zip(rtt, handled)]),
         "rtt_minus_engine_us": percentiles(overhead),
+        "held_raw_minus_hold_us": percentiles(held_rtt),
     }
-    result["ratio_p50"] = result["rtt_minus_engine_us"]["p50"] / result["raw_us"]["p50"]
-    result["ratio_p99"] = result["rtt_minus_engine_us"]["p99"] / result["raw_us"]["p99"]
+    ours, raw_floor = result["rtt_minus_engine_us"], result["raw_us"]
+    result["ratio_p50"] = ours["p50"] / raw_floor["p50"]
+    result["ratio_p99"] = ours["p99"] / raw_floor["p99"]
+    result["held_ratio_p50"] = ours["p50"] / result["held_raw_minus_hold_us"]["p50"]
     return result
 
 
@@ -239,7 +266,8 @@ def main() -> None:
         echo.wait()
     print(
         f"{'case':<12} {'bytes':>9} {'raw p50/p99 us':>16} {'rtt p50/p99':>16} "
-        f"{'engine p50':>10} {'rtt-eng p50/p99':>16} {'ratio p50/p99':>14}"
+        f"{'engine p50':>10} {'rtt-eng p50/p99':>16} {'ratio p50/p99':>14} "
+        f"{'held raw p50':>12} {'held ratio':>10}"
     )
     for r in results:
         overhead = r["rtt_minus_engine_us"]
@@ -249,7 +277,8 @@ def main() -> None:
             f"{r['rtt_us']['p50']:>7.1f}/{r['rtt_us']['p99']:<8.1f} "
             f"{r['engine_us']['p50']:>10.1f} "
             f"{overhead['p50']:>7.1f}/{overhead['p99']:<8.1f} "
-            f"{r['ratio_p50']:>6.2f}/{r['ratio_p99']:<6.2f}"
+            f"{r['ratio_p50']:>6.2f}/{r['ratio_p99']:<6.2f} "
+            f"{r['held_raw_minus_hold_us']['p50']:>12.1f} {r['held_ratio_p50']:>10.2f}"
         )
     if args.out:
         meta = {

@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The draft server's own work per PROPOSE, phase by phase, in one process.
+
+The server of ``bench_remote_rpc.py`` (reference engine, context width
+3 x 7168, K = 3, CPU unless ``--device``) handles the same steady-state
+PROPOSE stream through ``DraftServer.handle`` without a socket; each phase is
+timed with ``perf_counter`` around the call that does it. Reported: p50 per
+phase (microseconds) and ``outside_engine``, the handling time minus the
+engine's call: what the protocol's Python costs right after an engine step
+(several times its cost in a warm loop). The wrappers add about a microsecond
+per phase.
+
+Usage::
+
+    python bench/bench_server_phases.py --batch 8 [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from bench_remote_rpc import SMALL_MODEL, WIDTH, Case
+
+from vllm.entrypoints import k3_dspark_standalone as standalone
+from vllm.k3_draft import server as server_module
+from vllm.k3_draft import validation
+from vllm.k3_draft.protocol import load_capability_plugins
+
+
+def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
+    """Replace ``owner.name`` by a wrapper adding its seconds to ``spent``."""
+    function: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    server_args = standalone.parse_args(
+        [
+            *("--engine", "reference", "--device", args.device),
+            *("--address", "tcp://127.0.0.1:1", "--context-width", str(WIDTH)),
+            *SMALL_MODEL,
+            *("--max-num-seqs", "8", "--max-requests", "16"),
+            *("--max-speculative-tokens", "3", "--max-context-tokens", "64"),
+            *("--max-model-len", str(1 << 20)),
+        ]
+    )
+    engine = standalone.build_engine(server_args)
+    engine.load()
+    load_capability_plugins()
+    server = server_module.DraftServer(engine)
+    spent: dict[str, float] = {}
+    timed(server_module, "decode_header", "decode", spent)
+    timed(server.parser, "_entry", "entries", spent)
+    timed(server.parser, "_check_positions", "positions", spent)
+    timed(validation, "frame_tensor", "frame tensors", spent)
+    timed(server.parser, "parse", "parse (all)", spent)
+    timed(server_module, "check_propose", "table checks", spent)
+    timed(server, "_apply_propose", "apply", spent)
+    timed(engine, "propose", "engine", spent)
+    timed(server, "_finish_propose", "reply header", spent)
+    case = Case(args.batch, "phases")
+    samples: dict[str, list[float]] = {}
+    for index in range(args.warmup + args.iters):
+        frames = case.frames()
+        # Writable buffers, as received with copy=False: aliased, not copied.
+        received = [bytes(frames[0]), *(bytearray(f) for f in frames[1:])]
+        spent.clear()
+        start = time.perf_counter()
+        reply = server.handle(received)
+        spent["handle"] = time.perf_counter() - start
+        assert json.loads(reply[0])["ok"], reply[0]
+        spent["outside_engine"] = spent["handle"] - spent["engine"]
+        if index >= args.warmup:
+            for label, seconds in spent.items():
+                samples.setdefault(label, []).append(seconds * 1e6)
+    print(f"batch {args.batch}, device {args.device}, p50 us over {args.iters}")
+    for label, values in samples.items():
+        print(f"  {label:<16} {np.percentile(values, 50):9.1f}")
+
+
+if __name__ == "__main__":
+    main()
