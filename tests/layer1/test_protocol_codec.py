@@ -103,6 +103,16 @@ def test_propose_reply_carries_the_extension_entries():
     assert protocol.decode_header(frame, 4096)["extensions"] == entries
 
 
+@pytest.mark.parametrize("fields", [{}, {"return_logits": True, "logits_topk": 64}])
+def test_propose_request_decodes_to_the_request_header_of_its_fields(fields):
+    entries = [("plain", True, 4, 2, 11, 6), ('q"uote\\é', False, 0, 0, 7, 9)]
+    frame = protocol.encode_propose_request(3, entries, fields)
+    requests = [dict(zip(protocol.PROPOSE_REQUEST_FIELDS, e)) for e in entries]
+    assert protocol.decode_header(frame, 4096) == protocol.request_header(
+        "PROPOSE", num_speculative_tokens=3, requests=requests, **fields
+    )
+
+
 def test_error_reply_names_type_and_message():
     reply = protocol.error_reply(ProtocolError("bad thing"))
     assert reply == {

@@ -226,7 +226,15 @@ class DraftClient:
         Raises ``TransportError`` (no reply), ``ProtocolError`` (malformed
         reply) or ``protocol.RemoteError`` (``ok: false``).
         """
-        message = [encode_header(request_header(op, **fields)), *frames]
+        return self.call_encoded(
+            op, encode_header(request_header(op, **fields)), frames
+        )
+
+    def call_encoded(
+        self, op: str, header: bytes, frames: Sequence[Any] = ()
+    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """``call`` with the request header already encoded (frame 0)."""
+        message = [header, *frames]
         try:
             self._socket.send_multipart(message, copy=False)
             reply = self._socket.recv_multipart(copy=False)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ from vllm.k3_draft.protocol import (
     TIMING_FIELDS,
     ProtocolError,
     RemoteError,
+    encode_propose_request,
     extension_frames,
 )
 
@@ -604,10 +606,11 @@ class RemotePlan:
         ]
         frames: list[Any] = []
         if spans:
-            positions = np.concatenate(
-                [np.arange(r.first_position, r.anchor_position) for r in requests]
-            ).astype(np.int64)
-            frames = [positions.data, rows_frame(step.rows, spans).data]
+            # A few dozen ints: plain Python beats numpy calls here.
+            positions = array("q")
+            for r in requests:
+                positions.extend(range(r.first_position, r.anchor_position))
+            frames = [positions, rows_frame(step.rows, spans).data]
         proposal = Proposal(
             request_ids=tuple(r.request_id for r in requests),
             batch_rows=np.array([i for i, _ in entries], dtype=np.int64),
@@ -617,22 +620,24 @@ class RemotePlan:
         fields: dict[str, Any] = {}
         for extension in self.extensions:
             fields.update(extension.request_fields(k))
-        wire = [
-            {
-                "request_id": r.request_id,
-                "reset": reset,
-                "reset_position": r.first_position,
-                "context_count": r.num_context,
-                "anchor_token_id": r.anchor_token_id,
-                "anchor_position": r.anchor_position,
-            }
-            for r, (_, reset) in zip(requests, entries)
-        ]
+        request = encode_propose_request(
+            k,
+            [
+                (
+                    r.request_id,
+                    reset,
+                    r.first_position,
+                    r.num_context,
+                    r.anchor_token_id,
+                    r.anchor_position,
+                )
+                for r, (_, reset) in zip(requests, entries)
+            ],
+            fields,
+        )
         sent = time.perf_counter()
         try:
-            header, reply_frames = self.client.call(
-                OP_PROPOSE, frames, num_speculative_tokens=k, requests=wire, **fields
-            )
+            header, reply_frames = self.client.call_encoded(OP_PROPOSE, request, frames)
             round_trip_ms = (time.perf_counter() - sent) * 1e3
             tokens = parse_tokens(header, len(requests), k, self.needs.vocab_size)
             payloads = self._consume(header, reply_frames, proposal)

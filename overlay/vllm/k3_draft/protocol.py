@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import importlib
 import json
+import json.encoder
 import math
 import pkgutil
 import sys
@@ -149,6 +150,8 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
     }
 
 
+# A JSON string literal of a str (ASCII, escaped).
+_quote = json.encoder.encode_basestring_ascii
 # One encoder: json.dumps with keywords builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
@@ -189,6 +192,40 @@ def encode_propose_reply(
     values = [timing_ms[name] for name in TIMING_FIELDS]
     parts.append(_PROPOSE_REPLY_TIMINGS % (*values, timing_ms["total"]))
     return b"".join(parts)
+
+
+# One PROPOSE request entry: request_id JSON-quoted, reset "true"/"false".
+_PROPOSE_REQUEST_ENTRY = (
+    "{"
+    + ",".join(
+        f'"{name}":%s' if name in ("request_id", "reset") else f'"{name}":%d'
+        for name in PROPOSE_REQUEST_FIELDS
+    )
+    + "}"
+)
+
+
+def encode_propose_request(
+    num_speculative_tokens: int,
+    entries: Sequence[tuple[str, bool, int, int, int, int]],
+    fields: Mapping[str, Any],
+) -> bytes:
+    """The header of a PROPOSE request, formatted without a JSON encoder for
+    its entries (the verifier's hot path). ``entries`` hold the values of
+    ``PROPOSE_REQUEST_FIELDS`` in that order; ``fields`` are further header
+    fields (JSON-encoded). Decodes to ``request_header(OP_PROPOSE, ...)``."""
+    requests = ",".join(
+        _PROPOSE_REQUEST_ENTRY
+        % (_quote(rid), "true" if reset else "false", start, count, token, anchor)
+        for rid, reset, start, count, token, anchor in entries
+    )
+    head = (
+        f'{{"protocol":{PROTOCOL_VERSION},"op":"{OP_PROPOSE}",'
+        f'"num_speculative_tokens":{num_speculative_tokens:d},"requests":[{requests}]'
+    )
+    # The further fields' object, its opening brace dropped, closes the header.
+    tail = "," + _ENCODER.encode(fields)[1:] if fields else "}"
+    return (head + tail).encode()
 
 
 def _reject_constant(name: str) -> Any:
