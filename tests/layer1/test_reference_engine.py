@@ -208,6 +208,20 @@ def test_cuda_graph_replay_matches_eager(method):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graphs_of_an_engine_on_another_device_than_the_current_one():
+    torch.cuda.set_device(0)
+    eager = make_engine(device="cuda:1")
+    graphed = make_engine(device="cuda:1", graphs=True)
+    ends = [40, 41]
+    context = torch.cat([rows(e, 30 + i) for i, e in enumerate(ends)])
+    args = ([0, 1], [0, 0], ends, ends, context)
+    a, b = eager.propose(batch(*args)), graphed.propose(batch(*args))
+    assert b.logits is not None and b.logits.device == torch.device("cuda:1")
+    torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_eager_start_up_holds_the_largest_querys_working_memory(method):

@@ -296,17 +296,20 @@ class TorchDraftEngine(DraftEngine):
             for depth in range(self.limits.max_speculative_tokens, 0, -1)
         ]
         self._query_in[3].fill_(_NO_CONTEXT)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        # torch.cuda.graph captures on a stream of the current device: make
+        # it the engine's (cuda:1 while the thread's current device is 0).
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for batch, depth in shapes:
+                    self._query(batch, depth)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             for batch, depth in shapes:
-                self._query(batch, depth)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        for batch, depth in shapes:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._query(batch, depth)
-            self._graphs[(batch, depth)] = (graph, logits)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._query(batch, depth)
+                self._graphs[(batch, depth)] = (graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info("Captured %d draft CUDA graphs", len(shapes))
         return sorted(self._graphs)
