@@ -138,6 +138,7 @@ BENCHMARKS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "remote_rpc": (False, ()),
     "draft_logits": (False, ()),
     "client_plan": (False, ()),
+    "server_phases": (False, ()),
     "draft_server_gpu": (True, ()),
     "deferred_resolve": (True, ()),
     "fused_mla_verify": (

@@ -13,7 +13,7 @@ per phase.
 
 Usage::
 
-    python bench/bench_server_phases.py --batch 8 [--device cuda]
+    python bench/bench_server_phases.py --batch 8 [--device cuda] [--out phases.json]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", help="write the p50 per phase as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     server_args = standalone.parse_args(
@@ -95,9 +96,14 @@ def main() -> None:
         if index >= args.warmup:
             for label, seconds in spent.items():
                 samples.setdefault(label, []).append(seconds * 1e6)
+    p50 = {label: float(np.percentile(v, 50)) for label, v in samples.items()}
     print(f"batch {args.batch}, device {args.device}, p50 us over {args.iters}")
-    for label, values in samples.items():
-        print(f"  {label:<16} {np.percentile(values, 50):9.1f}")
+    for label, value in p50.items():
+        print(f"  {label:<16} {value:9.1f}")
+    if args.out:
+        meta = {"batch": args.batch, "device": args.device, "iters": args.iters}
+        with open(args.out, "w") as out:
+            json.dump({"meta": meta, "p50_us": p50}, out, indent=2)
 
 
 if __name__ == "__main__":
