@@ -296,8 +296,9 @@ class TorchDraftEngine(DraftEngine):
             for depth in range(self.limits.max_speculative_tokens, 0, -1)
         ]
         self._query_in[3].fill_(_NO_CONTEXT)
-        # torch.cuda.graph captures on a stream of the current device: make
-        # it the engine's (cuda:1 while the thread's current device is 0).
+        # Capture on the engine's own stream, under its device (torch's
+        # default capture stream is process-wide, made on whichever device
+        # was current at the first capture).
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -307,7 +308,7 @@ class TorchDraftEngine(DraftEngine):
             torch.cuda.current_stream(self.device).wait_stream(stream)
             for batch, depth in shapes:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._query(batch, depth)
                 self._graphs[(batch, depth)] = (graph, logits)
         torch.cuda.synchronize(self.device)
