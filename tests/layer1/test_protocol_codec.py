@@ -113,6 +113,12 @@ def test_propose_request_decodes_to_the_request_header_of_its_fields(fields):
     )
 
 
+def test_propose_request_does_not_truncate_a_float_count():
+    frame = protocol.encode_propose_request(3, [("a", True, 0, 1.5, 2, 3)], {})
+    entry = protocol.decode_header(frame, 4096)["requests"][0]
+    assert entry["context_count"] == 1.5
+
+
 def test_error_reply_names_type_and_message():
     reply = protocol.error_reply(ProtocolError("bad thing"))
     assert reply == {

@@ -620,23 +620,20 @@ class RemotePlan:
         fields: dict[str, Any] = {}
         for extension in self.extensions:
             fields.update(extension.request_fields(k))
-        request = encode_propose_request(
-            k,
-            [
-                (
-                    r.request_id,
-                    reset,
-                    r.first_position,
-                    r.num_context,
-                    r.anchor_token_id,
-                    r.anchor_position,
-                )
-                for r, (_, reset) in zip(requests, entries)
-            ],
-            fields,
-        )
+        wire = [
+            (
+                r.request_id,
+                reset,
+                r.first_position,
+                r.num_context,
+                r.anchor_token_id,
+                r.anchor_position,
+            )
+            for r, (_, reset) in zip(requests, entries)
+        ]
         sent = time.perf_counter()
         try:
+            request = encode_propose_request(k, wire, fields)
             header, reply_frames = self.client.call_encoded(OP_PROPOSE, request, frames)
             round_trip_ms = (time.perf_counter() - sent) * 1e3
             tokens = parse_tokens(header, len(requests), k, self.needs.vocab_size)

@@ -194,14 +194,11 @@ def encode_propose_reply(
     return b"".join(parts)
 
 
-# One PROPOSE request entry: request_id JSON-quoted, reset "true"/"false".
+# One PROPOSE request entry: request_id JSON-quoted, reset "true"/"false",
+# the ints by str(): a float, bool or None is not truncated or converted but
+# reaches the server as a non-int or as invalid JSON, which it refuses.
 _PROPOSE_REQUEST_ENTRY = (
-    "{"
-    + ",".join(
-        f'"{name}":%s' if name in ("request_id", "reset") else f'"{name}":%d'
-        for name in PROPOSE_REQUEST_FIELDS
-    )
-    + "}"
+    "{" + ",".join(f'"{name}":%s' for name in PROPOSE_REQUEST_FIELDS) + "}"
 )
 
 
@@ -221,7 +218,7 @@ def encode_propose_request(
     )
     head = (
         f'{{"protocol":{PROTOCOL_VERSION},"op":"{OP_PROPOSE}",'
-        f'"num_speculative_tokens":{num_speculative_tokens:d},"requests":[{requests}]'
+        f'"num_speculative_tokens":{num_speculative_tokens},"requests":[{requests}]'
     )
     # The further fields' object, its opening brace dropped, closes the header.
     tail = "," + _ENCODER.encode(fields)[1:] if fields else "}"
