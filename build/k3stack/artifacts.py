@@ -26,7 +26,9 @@ BUILD_DIR = Path(__file__).resolve().parent.parent
 INSTALLER = Path(__file__).resolve().parent / "install.py"
 PACKAGE_ROOTS = ("vllm/",)
 LOCK_NAME = "stack.lock.json"
-STAGING_PREFIX = ".build-"
+STAGING_PREFIX = ".k3stack-build-"
+# What a build puts in the image context folder (replaced by the next build).
+CONTEXT_ENTRIES = frozenset({"Dockerfile", "stack"})
 # The wheel's entry timestamp (1980-01-01T00:00:00Z), for the context too.
 CONTEXT_MTIME = 315532800
 
@@ -83,6 +85,16 @@ def build(
     previous build only once complete: a failed build leaves ``out_dir`` as
     it was (and the staging folder of a killed one goes at the next build).
     """
+    context = out_dir / "image"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise StackError(f"build: {out_dir} exists and is not a directory; refused")
+    if context.is_dir():
+        foreign = sorted({p.name for p in context.iterdir()} - CONTEXT_ENTRIES)
+        if foreign:
+            raise StackError(
+                f"build: {context} holds files a build does not make "
+                f"({', '.join(foreign[:3])}); refused: move them out of it"
+            )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for stale in out_dir.glob(f"{STAGING_PREFIX}*"):

@@ -78,6 +78,7 @@ def cmd_build(args: argparse.Namespace) -> None:
 def cmd_site(args: argparse.Namespace) -> None:
     from k3stack.qualify import install_site, pristine_site
 
+    check_site_dest(args.dest)
     stack, pin = load_stack(ROOT), load_pin()
     marker = current_marker(stack, args.tree)
     wheel = fetch(pin.wheel(), pin.name)
@@ -86,6 +87,20 @@ def cmd_site(args: argparse.Namespace) -> None:
     site0 = pristine_site(args.python, wheel, work / "qualify")
     install_site(args.python, site0, result.context / "stack", args.dest)
     print(f"site: {result.version} installed in {args.dest}")
+
+
+def check_site_dest(dest: Path) -> None:
+    """Refuse a ``--dest`` that ``site`` would replace but did not make: a
+    file, or a non-empty folder without a stack install's dist-info."""
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise StackError(f"site: {dest} exists and is not a directory; refused")
+    if any(dest.iterdir()) and not any(dest.glob("*+stack.*.dist-info")):
+        raise StackError(
+            f"site: {dest} is not empty and holds no stack install; refused: "
+            "choose another --dest or remove it"
+        )
 
 
 def cmd_validate(args: argparse.Namespace) -> None:

@@ -124,7 +124,13 @@ def fetch(artifact: Artifact, project: str, index_url: str | None = None) -> Pat
     """Return the verified cached copy of ``artifact``, downloading it once."""
     target = cache_dir() / artifact.filename
     if target.exists():
-        verify_file(target, artifact)
+        try:
+            verify_file(target, artifact)
+        except StackError as e:
+            # Kept for inspection: a cached file is never deleted silently.
+            raise StackError(
+                f"{e} (cached copy {target}: delete it to fetch again)"
+            ) from None
         return target
     index = index_url or pip_index_url()
     files = project_files(index, project)

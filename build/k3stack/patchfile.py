@@ -239,6 +239,11 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
             hunk.lines[-1] = (op, text.rstrip(b"\n"))
         elif hunk is None and line.startswith((b"index ", b"--- ", b"+++ ")):
             continue
+        elif line.startswith((b"Binary files ", b"GIT binary patch")):
+            raise StackError(
+                f"{where}: line {number} changes a binary file; binary changes "
+                "to upstream files are not supported"
+            )
         else:
             raise StackError(f"{where}: unexpected diff line {number}: {line[:60]!r}")
     if hunk is not None:

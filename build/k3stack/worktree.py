@@ -79,8 +79,10 @@ def refreshed_marker(tree: Path) -> dict:
 
 def current_marker(stack: Stack, tree: Path) -> dict:
     """The marker of ``tree`` if it holds every applied layer as patches/ and
-    overlay/ hold it now; ``StackError`` naming the first that differs."""
+    overlay/ hold it now, with nothing uncommitted; ``StackError`` naming the
+    first that differs."""
     marker = refreshed_marker(tree)
+    refuse_uncommitted(tree)
     applied = marker["layers"]
     digests = marker.get("digests") or [None] * applied
     layers = stack.layers[:applied]
@@ -96,14 +98,8 @@ def current_marker(stack: Stack, tree: Path) -> dict:
     return marker
 
 
-def guard_existing(tree: Path) -> None:
-    """Refuse to replace ``tree`` if it holds work the patches do not."""
-    if not tree.exists():
-        return
-    if not is_work_tree(tree):
-        if any(tree.iterdir()):
-            raise StackError(f"{tree} exists and is not a stack work tree; refused")
-        return
+def refuse_uncommitted(tree: Path) -> None:
+    """``StackError`` if the work tree ``tree`` has uncommitted edits."""
     dirty = dirty_paths(tree)
     if dirty:
         raise StackError(
@@ -111,6 +107,19 @@ def guard_existing(tree: Path) -> None:
             "refused: commit them into their layer (`git add --force` for files "
             "its .gitignore matches) and run `nox -s refresh`"
         )
+
+
+def guard_existing(tree: Path) -> None:
+    """Refuse to replace ``tree`` if it holds work the patches do not."""
+    if not tree.exists():
+        return
+    if not tree.is_dir():
+        raise StackError(f"{tree} exists and is not a directory; refused")
+    if not is_work_tree(tree):
+        if any(tree.iterdir()):
+            raise StackError(f"{tree} exists and is not a stack work tree; refused")
+        return
+    refuse_uncommitted(tree)
     marker = refreshed_marker(tree)
     own = {"refs/heads/main", f"refs/tags/{UPSTREAM_TAG}"}
     own |= {f"refs/tags/{layer_tag(n)}" for n in range(1, marker["layers"] + 1)}

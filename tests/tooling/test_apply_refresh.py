@@ -115,6 +115,34 @@ def test_apply_refuses_a_tree_with_uncommitted_edits_and_keeps_them(
     assert (filled.tree / "vllm/envs.py").read_text() == "edited\n"
 
 
+def test_build_input_is_refused_while_the_tree_has_uncommitted_edits(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    (filled.tree / "vllm/envs.py").write_text("edited\n")
+    with pytest.raises(StackError, match="uncommitted edits"):
+        current_marker(filled.stack(), filled.tree)
+    assert (filled.tree / "vllm/envs.py").read_text() == "edited\n"
+
+
+def test_apply_refuses_a_tree_path_that_is_a_file(filled: Synthetic) -> None:
+    filled.tree = filled.tree.parent / "a-file"
+    filled.tree.write_text("not a tree\n")
+    with pytest.raises(StackError, match="exists and is not a directory"):
+        filled.apply()
+    assert filled.tree.read_text() == "not a tree\n"
+
+
+def test_a_binary_change_is_refused_with_its_reason() -> None:
+    diff = (
+        b"diff --git a/vllm/logo.png b/vllm/logo.png\n"
+        b"index 1111111..2222222 100644\n"
+        b"Binary files a/vllm/logo.png and b/vllm/logo.png differ\n"
+    )
+    with pytest.raises(StackError, match="binary changes to upstream files"):
+        parse_diff(diff, "0001-x.patch")
+
+
 def test_apply_refuses_a_tree_with_commits_not_yet_refreshed(filled: Synthetic) -> None:
     filled.amend(1, {"vllm/envs.py": "changed\n"})
     head = git(filled.tree, "rev-parse", "HEAD")

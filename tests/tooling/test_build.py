@@ -17,7 +17,7 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
-from k3stack.artifacts import build, docker_build
+from k3stack.artifacts import STAGING_PREFIX, build, docker_build
 from k3stack.fetch import sha256_file
 from k3stack.gitutil import git
 from k3stack.refresh import refresh
@@ -283,7 +283,7 @@ def test_a_build_clears_what_a_killed_build_left_behind(
     dist = tmp_path / "dist"
     first = build_into(filled, dist)
     # What SIGKILL during a build leaves: its staging folder, half written.
-    leftover = dist / ".build-killed"
+    leftover = dist / f"{STAGING_PREFIX}killed"
     (leftover / "image").mkdir(parents=True)
     (leftover / f"{first.wheel.name}.part").write_bytes(b"PK\x03\x04")
     second = build_into(filled, dist)
@@ -298,9 +298,39 @@ def test_a_dist_that_cannot_be_written_is_refused_in_one_line(
     filled.apply()
     dist = tmp_path / "dist"
     dist.write_text("a file where the build folder should be\n")
-    with pytest.raises(
-        StackError, match=f"build into {dist} failed: .*File exists"
-    ) as e:
+    with pytest.raises(StackError, match=f"{dist} exists and is not a directory") as e:
         build_into(filled, dist)
     assert "\n" not in str(e.value)
     assert dist.read_text() == "a file where the build folder should be\n"
+
+
+def test_a_build_keeps_what_it_did_not_make_in_dist(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    (dist / "image").mkdir(parents=True)
+    (dist / "image" / "notes.txt").write_text("mine\n")
+    (dist / ".build-cache").mkdir()
+    (dist / ".build-cache" / "data").write_text("mine\n")
+    with pytest.raises(StackError, match="holds files a build does not make"):
+        build_into(filled, dist)
+    (dist / "image" / "notes.txt").rename(dist / "notes.txt")
+    result = build_into(filled, dist)
+    assert (dist / "notes.txt").read_text() == "mine\n"
+    assert (dist / ".build-cache" / "data").read_text() == "mine\n"
+    assert sorted(p.name for p in result.context.iterdir()) == ["Dockerfile", "stack"]
+
+
+def test_site_refuses_a_dest_holding_something_else(tmp_path: Path) -> None:
+    from k3stack.cli import check_site_dest
+
+    dest = tmp_path / "site"
+    dest.mkdir()
+    check_site_dest(dest)  # empty: site may fill it
+    (dest / "notes.txt").write_text("mine\n")
+    with pytest.raises(StackError, match="holds no stack install"):
+        check_site_dest(dest)
+    (dest / "vllm-1.0+stack.0123456789ab.dist-info").mkdir()
+    check_site_dest(dest)  # a site an earlier `site` made: replaced
+    assert (dest / "notes.txt").read_text() == "mine\n"

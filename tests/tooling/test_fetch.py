@@ -93,3 +93,17 @@ def test_a_cached_file_that_changed_is_refused_with_both_hashes(
     message = str(info.value)
     assert f"differs from the pin {synthetic.pin.sdist.sha256}" in message
     assert message.count("sha256") == 1 and len(message.split()[2]) == 64
+
+
+def test_a_changed_cached_file_is_refused_naming_where_it_is_and_kept(
+    synthetic: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cached = cache / synthetic.sdist.name
+    cached.write_bytes(synthetic.sdist.read_bytes() + b"tampered")
+    monkeypatch.setenv("K3_STACK_CACHE", str(cache))
+    with pytest.raises(StackError, match=f"cached copy {cached}: delete it") as info:
+        fetch(synthetic.pin.sdist, "vllm")
+    assert "\n" not in str(info.value)
+    assert cached.exists()
