@@ -194,9 +194,11 @@ def _write_back(
     """Write the pending layers' patches and overlay files into ``stack``'s
     checkout; one line per changed file."""
     changed: list[str] = []
+    # A file may move between pending layers: only what none owns goes.
+    kept = {rel for _, _, owned, _ in pending for rel in owned}
     for pending_layer, patch, owned, _ in pending:
         layer = stack.layers[pending_layer.number - 1]
-        overlay_changes = _write_overlay(stack, layer.patch.overlay, owned)
+        overlay_changes = _write_overlay(stack, layer.patch.overlay, owned, kept)
         changed += overlay_changes
         old = layer.patch_file.read_bytes()
         patch.fields["Last-Update"] = layer.patch.fields["Last-Update"]
@@ -210,7 +212,7 @@ def _write_back(
 
 
 def _write_overlay(
-    stack: Stack, before: list[str], owned: dict[str, bytes]
+    stack: Stack, before: list[str], owned: dict[str, bytes], kept: set[str]
 ) -> list[str]:
     changed = []
     for rel, data in sorted(owned.items()):
@@ -222,7 +224,7 @@ def _write_overlay(
         target.write_bytes(data)
         changed.append(f"overlay/{rel}: {state}")
     for rel in before:
-        if rel not in owned:
+        if rel not in kept:
             (stack.overlay_dir / rel).unlink(missing_ok=True)
             changed.append(f"overlay/{rel}: removed")
     return changed

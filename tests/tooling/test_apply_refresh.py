@@ -71,6 +71,16 @@ def test_refresh_gives_a_new_file_to_the_layer_that_added_it(filled: Synthetic) 
     assert (filled.root / "overlay/vllm/deferred.py").read_text() == "ON = True\n"
 
 
+def test_refresh_moves_an_overlay_file_to_a_lower_layer(filled: Synthetic) -> None:
+    filled.apply()
+    filled.amend(1, {"vllm/logits.py": "TOPK = 64\n"})
+    refresh(filled.stack(), filled.tree)
+    stack = filled.stack()
+    assert "vllm/logits.py" in stack.layer(1).patch.overlay
+    assert "vllm/logits.py" not in stack.layer(2).patch.overlay
+    assert (filled.root / "overlay/vllm/logits.py").read_text() == "TOPK = 64\n"
+
+
 @pytest.mark.parametrize(
     "setting",
     [
