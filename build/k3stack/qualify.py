@@ -70,6 +70,29 @@ class Row:
     notes: list[str] = field(default_factory=list)
 
 
+def judge_suite(
+    row: Row, code: int, outcomes: Outcomes, may_be_empty: bool = False
+) -> None:
+    """Fill ``row``'s focused column from one run of our own tests and fail
+    it unless every test ran and passed: a failure, a skip (a test that did
+    not run is not a pass; GPU tests are deselected, not skipped), a pytest
+    exit code other than 0, or nothing passed (unless ``may_be_empty``)."""
+    p, f = outcomes.count("passed"), outcomes.count("failed")
+    skipped = [t for t, state in outcomes.results.items() if state == "skipped"]
+    row.focused = f"{p} passed, {f} failed" + (
+        f", {len(skipped)} skipped" if skipped else ""
+    )
+    row.passed += p
+    row.failed += f
+    if skipped:
+        row.notes.append(
+            f"{len(skipped)} skipped (e.g. {skipped[0]}): a test that did not "
+            "run is not a pass"
+        )
+    if f or skipped or code != 0 or (p == 0 and not may_be_empty):
+        row.ok = False
+
+
 def read_junit(path: Path) -> Outcomes:
     outcomes = Outcomes()
     if not path.is_file():
@@ -94,7 +117,7 @@ def pytest_args(junit: Path) -> list[str]:
         "-p",
         "no:cacheprovider",
         "-m",
-        "not gpu",
+        "not gpu and not subprocess_only",
         "--continue-on-collection-errors",
         f"--timeout={PER_TEST_TIMEOUT_S}",
         f"--junitxml={junit}",
@@ -334,16 +357,7 @@ def qualify_layer(
         junit = out / f"layer-{n}-focused.xml"
         code, focused = run_pytest(python, stack.root, site, suite, junit, [])
         junits.append(junit)
-        p, f, s = (
-            focused.count("passed"),
-            focused.count("failed"),
-            focused.count("skipped"),
-        )
-        row.focused = f"{p} passed, {f} failed" + (f", {s} skipped" if s else "")
-        row.passed += p
-        row.failed += f
-        if f or code not in (0,) or (p == 0 and not empty):
-            row.ok = False
+        judge_suite(row, code, focused, may_be_empty=empty)
     else:
         row.focused = "empty layer" if empty else "FAIL (no suite)"
         row.ok = row.ok and empty
@@ -432,11 +446,7 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         out / "tooling.xml",
         [],
     )
-    rows[
-        0
-    ].focused = f"{tooling.count('passed')} passed, {tooling.count('failed')} failed"
-    rows[0].passed, rows[0].failed = tooling.count("passed"), tooling.count("failed")
-    rows[0].ok = code == 0 and tooling.count("passed") > 0
+    judge_suite(rows[0], code, tooling)
 
     sdist = fetch(pin.sdist, pin.name)
     wheel = fetch(pin.wheel(), pin.name)
@@ -490,11 +500,8 @@ def lower_suites_on_top(
     print(f"qualify: suites of layers 1..{upto - 1} on the 1..{upto} install")
     junit = out / f"lower-suites-on-{upto}.xml"
     code, outcomes = run_pytest(python, stack.root, site, suites, junit, [])
-    p, f = outcomes.count("passed"), outcomes.count("failed")
     row.imports = "ok"
-    row.focused = f"{p} passed, {f} failed"
-    row.passed, row.failed = p, f
-    row.ok = code == 0 and p > 0
+    judge_suite(row, code, outcomes)
     return row
 
 

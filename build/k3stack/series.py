@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from k3stack import StackError
 from k3stack.patchfile import LayerPatch, load
@@ -74,12 +74,21 @@ def read_series(patches_dir: Path) -> list[str]:
     return entries
 
 
+def _plain_path(rel: str) -> bool:
+    """A relative POSIX path spelled one way only: the test selection matches
+    these strings against test ids (``./x``, ``x/`` or ``a/../x`` would not
+    match and hide a test that no longer runs)."""
+    path = PurePosixPath(rel)
+    return path.as_posix() == rel and not path.is_absolute() and ".." not in path.parts
+
+
 def load_stack(root: Path) -> Stack:
     """Load and validate the stack of the checkout at ``root``.
 
     Refused: a series entry without a file, a patch file not in the series, an
     entry listed twice, an overlay file claimed by two layers or by none, a
-    claimed file that is missing, an overlay path outside ``vllm/``.
+    claimed file that is missing, an overlay path outside ``vllm/``, an
+    ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled plainly.
     """
     patches_dir = root / "patches"
     entries = read_series(patches_dir)
@@ -97,6 +106,15 @@ def load_stack(root: Path) -> Stack:
         Layer(i, patches_dir / entry, load(patches_dir / entry))
         for i, entry in enumerate(entries, start=1)
     ]
+    for layer in layers:
+        for name in ("Overlay", "Upstream-Tests", "Suite"):
+            for rel in layer.patch.values(name):
+                if not _plain_path(rel):
+                    raise StackError(
+                        f"{layer.name}: {name} path {rel!r} is not a plain relative "
+                        f"path (write it as {PurePosixPath(rel).as_posix()!r}, "
+                        "without '..')"
+                    )
     owner: dict[str, str] = {}
     overlay_dir = root / "overlay"
     for layer in layers:

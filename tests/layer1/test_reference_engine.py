@@ -208,6 +208,7 @@ def test_cuda_graph_replay_matches_eager(method):
 
 
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cuda_graphs_of_an_engine_on_another_device_than_the_current_one():
     torch.cuda.set_device(0)

@@ -16,7 +16,14 @@ from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
 from k3stack import StackError
 from k3stack.gitutil import git
-from k3stack.qualify import Row, baseline, check_imports, qualify_layer
+from k3stack.qualify import (
+    Outcomes,
+    Row,
+    baseline,
+    check_imports,
+    judge_suite,
+    qualify_layer,
+)
 from k3stack.refresh import refresh
 
 PYTHON = sys.executable
@@ -196,3 +203,18 @@ def test_an_import_that_kills_the_interpreter_is_reported_as_such(
     assert check_imports(PYTHON, site, ["vllm.crash"]) == [
         "the import check ended with exit code -6 and no message"
     ]
+
+
+def test_a_skipped_test_of_our_own_suites_fails_its_row() -> None:
+    row = Row("3")
+    outcomes = Outcomes({"t.a::one": "passed", "t.b::two": "skipped"})
+    judge_suite(row, 0, outcomes)
+    assert not row.ok
+    assert row.focused == "1 passed, 0 failed, 1 skipped"
+    assert "t.b::two" in row.notes[0]
+
+
+def test_a_suite_that_ran_and_passed_whole_keeps_its_row() -> None:
+    row = Row("3")
+    judge_suite(row, 0, Outcomes({"t.a::one": "passed"}))
+    assert row.ok and row.passed == 1 and not row.notes

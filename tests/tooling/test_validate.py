@@ -106,3 +106,14 @@ def test_a_suite_path_that_does_not_exist_is_refused(synthetic: Synthetic) -> No
     patch.write_text(text.replace("Suite:", "Suite:\n tests/no_such_suite.py", 1))
     with pytest.raises(StackError, match="Suite path tests/no_such_suite.py"):
         check_suites(load_stack(synthetic.root))
+
+
+@pytest.mark.parametrize("spelling", ["tests/", "./tests/test_model.py", "tests/../x"])
+def test_an_upstream_tests_path_spelled_otherwise_is_refused(
+    synthetic: Synthetic, spelling: str
+) -> None:
+    patch = synthetic.root / "patches" / "0002-layer-2.patch"
+    text = patch.read_text()
+    patch.write_text(text.replace(" tests/test_model.py", f" {spelling}", 1))
+    with pytest.raises(StackError, match="Upstream-Tests path .* is not a plain"):
+        load_stack(synthetic.root)
