@@ -81,12 +81,15 @@ def raw_echo(address: str) -> None:
         sock.send(replies[size], copy=False)
 
 
-def raw_frames(frames: list[Any], reply_bytes: int, hold_s: float) -> list[Any]:
-    """``frames`` with the first 16 bytes of the last one replaced by the raw
-    echo's control fields (same sizes)."""
+def raw_frames(
+    frames: list[Any], last_tail: bytes, reply_bytes: int, hold_s: float
+) -> list[Any]:
+    """``frames`` with the last one replaced by the raw echo's 16 bytes of
+    control fields followed by ``last_tail`` (its bytes after the first 16:
+    same sizes)."""
     hold_ns = int(hold_s * 1e9)
     control = reply_bytes.to_bytes(8, "little") + hold_ns.to_bytes(8, "little")
-    return [*frames[:-1], control + bytes(frames[-1])[16:]]
+    return [*frames[:-1], control + last_tail]
 
 
 # A minimal draft: the engine's time is subtracted, its size is not what this
@@ -193,7 +196,9 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
         handled_s = timing.get("total", 0.0) / 1e3
         size = len(reply[0].bytes)
         # Built before each timer starts: a copy of the rows is not transport.
-        plain, held = raw_frames(frames, size, 0.0), raw_frames(frames, size, engine_s)
+        tail = bytes(frames[-1])[16:]
+        plain = raw_frames(frames, tail, size, 0.0)
+        held = raw_frames(frames, tail, size, engine_s)
         start = time.perf_counter()
         raw.send_multipart(plain, copy=False)
         raw.recv_multipart(copy=False)
