@@ -43,11 +43,20 @@ NEEDS = ServerRequirements(
 
 
 @pytest.fixture
-def plan(scripted_server):
+def fresh_plan(scripted_server):
+    """A plan that has not shaken hands yet."""
     client = DraftClient(scripted_server.address, timeout_ms=300)
     plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
     yield plan
     client.close()
+
+
+@pytest.fixture
+def plan(fresh_plan):
+    """A plan online from its first step (its first step would otherwise
+    wait only 20 ms for the PONG: offline on a loaded machine)."""
+    fresh_plan.connect()
+    return fresh_plan
 
 
 def _step(ids: list[str], first: int = 0, count: int = 4) -> StepInputs:
@@ -126,25 +135,25 @@ def test_unreachable_server_never_blocks_a_step_for_the_timeout():
         client.close()
 
 
-def test_late_pong_brings_the_client_back_on_a_later_step(plan, scripted_server):
+def test_late_pong_brings_the_client_back_on_a_later_step(fresh_plan, scripted_server):
     ping = scripted_server.handlers["PING"] = _answer_after(scripted_server, 0.15)
-    assert (plan.run(_step(["a"])).tokens == -1).all()
-    assert plan.server is None and scripted_server.ops() == ["PING"]
+    assert (fresh_plan.run(_step(["a"])).tokens == -1).all()
+    assert fresh_plan.server is None and scripted_server.ops() == ["PING"]
     ping.answered.wait()
     time.sleep(0.05)
-    assert (plan.run(_step(["a"])).tokens == 5).all()
+    assert (fresh_plan.run(_step(["a"])).tokens == 5).all()
     assert scripted_server.ops() == ["PING", "PROPOSE"]
 
 
-def test_pong_not_come_within_the_timeout_is_given_up(plan, scripted_server):
+def test_pong_not_come_within_the_timeout_is_given_up(fresh_plan, scripted_server):
     ping = scripted_server.handlers["PING"] = _answer_after(scripted_server, 0.6)
-    plan.run(_step(["a"]))
+    fresh_plan.run(_step(["a"]))
     time.sleep(0.35)
     # Past the 300 ms timeout: the PING is dropped with its socket.
-    assert (plan.run(_step(["a"])).tokens == -1).all()
+    assert (fresh_plan.run(_step(["a"])).tokens == -1).all()
     del scripted_server.handlers["PING"]
     ping.answered.wait()
-    assert (plan.run(_step(["a"])).tokens == 5).all()
+    assert (fresh_plan.run(_step(["a"])).tokens == 5).all()
     assert scripted_server.ops() == ["PING", "PING", "PROPOSE"]
 
 
