@@ -128,6 +128,53 @@ def test_prefix_hit_reconnects_from_a_retained_prefix(
     assert loop.stats.drafted > 0
 
 
+def test_reused_request_id_is_not_continued_from_the_finished_request(
+    draft_server, make_speculator, oracle
+):
+    """A new request that takes a finished one's id in the very next step,
+    with a prefix-cache hit at the old request's end but other tokens, is
+    not drafted from the old request's draft KV (the loop checks every
+    draft against the context it was asked for)."""
+    speculator, table = make_speculator(draft_server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    loop.add("a", _prompt(1, 20), max_tokens=30)
+    while not loop.requests["a"].done:
+        loop.step(["a"])
+    end = speculator.plan.retained["a"].end
+    loop.remove("a")
+    prompt = _prompt(2, end + 10)
+    loop.add("a", prompt, max_tokens=8, computed=end)
+    finished = _run_to_completion(loop)
+    assert finished["a"] == target.generate(prompt, 8)
+    assert loop.stats.drafted > 0
+
+
+def test_own_resume_reconnects_after_a_refused_reconnect_from_it(
+    draft_server, make_speculator, oracle
+):
+    """A RECONNECT from a long request refused for another request's short
+    prefix (its context cache no longer holds it) does not stop the long
+    request's own resume near its end from reconnecting."""
+    speculator, table = make_speculator(draft_server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    loop.add("src", _prompt(11, 200), max_tokens=60)
+    for _ in range(10):
+        loop.step(["src"])
+    shared = list(loop.requests["src"].tokens[:40]) + _prompt(5, 10)
+    before = _status(draft_server)
+    loop.add("hit", shared, max_tokens=4, computed=32)
+    loop.step(["src", "hit"])
+    mid = _status(draft_server)
+    assert mid["reconnect_failures"] == before["reconnect_failures"] + 1
+    preempted = loop.remove("src")
+    end = speculator.plan.retained["src"].end
+    loop.resume(preempted, computed=end - 5)
+    loop.step(["src"])
+    assert _status(draft_server)["reconnects"] == mid["reconnects"] + 1
+
+
 def test_preempted_request_resumes_by_rewinding(draft_server, make_speculator, oracle):
     """A request preempted and resumed at an earlier cached position rewinds
     its own retained state (RECONNECT from itself) and keeps exact drafts."""

@@ -199,7 +199,9 @@ def test_failing_free_keeps_requests_stale(plan, scripted_server):
     assert not plan.retained["a"].stale
 
 
-def test_failed_reconnect_forgets_the_prefix_and_cold_bootstraps(plan, scripted_server):
+def test_refused_reconnect_cold_bootstraps_and_is_not_retried_below_its_end(
+    plan, scripted_server
+):
     plan.run(_step(["src"], count=40))
     scripted_server.handlers["RECONNECT"] = lambda h, f: MALFORMED["error reply"]
     scripted_server.log.clear()
@@ -208,11 +210,24 @@ def test_failed_reconnect_forgets_the_prefix_and_cold_bootstraps(plan, scripted_
     assert scripted_server.ops() == ["RECONNECT", "PROPOSE"]
     entry = scripted_server.log[1][1]["requests"][0]
     assert entry["reset"] and entry["reset_position"] == 32
-    assert not plan.retained["src"].reconnectable
     scripted_server.log.clear()
-    # Only the forgotten source covers position 20.
+    # Only the refused source covers position 20: its cache lost it.
     plan.run(_step(["other"], first=20, count=4))
     assert scripted_server.ops() == ["PROPOSE"]
+
+
+def test_source_refused_at_one_prefix_end_still_serves_a_later_one(
+    plan, scripted_server
+):
+    plan.run(_step(["src"], count=40))
+    scripted_server.handlers["RECONNECT"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["new"], first=16, count=4))
+    del scripted_server.handlers["RECONNECT"]
+    scripted_server.log.clear()
+    # The source's own resume past the refused end (a preempted request).
+    plan.run(_step(["src"], first=36, count=4))
+    assert scripted_server.ops() == ["RECONNECT", "PROPOSE"]
+    assert not scripted_server.log[1][1]["requests"][0]["reset"]
 
 
 def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(

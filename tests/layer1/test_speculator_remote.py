@@ -127,6 +127,16 @@ def test_watermarking_is_refused_at_init(tmp_path, make_speculator, scripted_ser
         make_speculator(scripted_server.address, config=config)
 
 
+def test_data_parallelism_is_refused_at_init(
+    tmp_path, make_speculator, scripted_server
+):
+    config = make_vllm_config(tmp_path)
+    config.parallel_config.data_parallel_size = 2
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
+        make_speculator(scripted_server.address, config=config)
+    assert scripted_server.ops() == []
+
+
 def test_prompt_embeds_keep_reconnects_within_a_request(
     tmp_path, make_speculator, scripted_server
 ):

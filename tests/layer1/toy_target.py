@@ -275,9 +275,13 @@ class ToyRequest:
     num_computed: int = 0
     drafts: list[int] = field(default_factory=list)
     row: int = -1
+    # Tokens the runner prefills (upstream's ``prefill_len``): the prompt,
+    # and the outputs too once resumed after preemption.
+    prefill_len: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
+        self.prefill_len = len(self.prompt)
 
     @property
     def remaining(self) -> int:
@@ -358,6 +362,7 @@ class VerifierLoop:
         """Re-admit a preempted request with ``computed`` cached tokens."""
         request.num_computed = computed
         request.drafts = []
+        request.prefill_len = len(request.tokens)
         request.row = self.free_rows.pop(0)
         self._write_table(request)
         self.requests[request.request_id] = request
@@ -374,9 +379,11 @@ class VerifierLoop:
         positions, input_tokens, counts = [], [], []
         num_sampled, num_rejected = [], []
         hidden_rows = []
-        for request in requests:
+        prefilling = np.zeros(len(requests), dtype=np.bool_)
+        for i, request in enumerate(requests):
             start = request.num_computed
             known = len(request.tokens)
+            prefilling[i] = start < request.prefill_len
             if start < known - 1:
                 # Prefill chunk (no drafts).
                 count = min(self.chunk, known - start)
@@ -396,7 +403,13 @@ class VerifierLoop:
             num_sampled.append(sampled)
             num_rejected.append(rejected)
         drafts_out = self._propose(
-            requests, counts, positions, hidden_rows, num_sampled, num_rejected
+            requests,
+            counts,
+            positions,
+            hidden_rows,
+            num_sampled,
+            num_rejected,
+            prefilling,
         )
         for i, request in enumerate(requests):
             self._check(request, drafts_out[i])
@@ -436,6 +449,7 @@ class VerifierLoop:
         hidden_rows: list[torch.Tensor],
         num_sampled: list[int],
         num_rejected: list[int],
+        prefilling: np.ndarray,
     ) -> np.ndarray:
         n = len(requests)
         num_tokens = sum(counts)
@@ -450,6 +464,7 @@ class VerifierLoop:
             query_start_loc_np,
             torch.cat(positions),
             num_tokens,
+            prefilling,
         )
         drafts = self.spec.propose(
             input_batch,
@@ -494,8 +509,10 @@ def make_input_batch(
     query_start_loc_np: np.ndarray,
     positions: torch.Tensor,
     num_tokens: int,
+    is_prefilling: np.ndarray | None = None,
 ) -> InputBatch:
-    """A real InputBatch (CPU tensors) with the fields propose() reads."""
+    """A real InputBatch (CPU tensors) with the fields propose() reads
+    (``is_prefilling``: none of the requests, unless given)."""
     n = len(req_ids)
     idx_mapping = torch.from_numpy(idx_mapping_np.astype(np.int64))
     query_start_loc = torch.from_numpy(query_start_loc_np.copy())
@@ -521,7 +538,9 @@ def make_input_batch(
         num_computed_tokens_np=np.zeros(n, dtype=np.int32),
         prefill_len_np=np.zeros(n, dtype=np.int32),
         num_computed_prefill_tokens_np=np.zeros(n, dtype=np.int32),
-        is_prefilling_np=np.zeros(n, dtype=np.bool_),
+        is_prefilling_np=(
+            np.zeros(n, dtype=np.bool_) if is_prefilling is None else is_prefilling
+        ),
         has_prefill=False,
         decode_graph_eligible=True,
         input_ids=torch.zeros(num_tokens, dtype=torch.int32),

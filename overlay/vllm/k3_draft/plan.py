@@ -78,7 +78,9 @@ class StepRequest:
 
     ``tokens`` is the request's row of the host token table (at least
     ``anchor_position`` long) or None without a host view; its context rows are
-    ``StepInputs.rows[row_offset : row_offset + num_context]``.
+    ``StepInputs.rows[row_offset : row_offset + num_context]``. ``decoding``:
+    the request's context this step follows tokens it sampled (not a prefill
+    chunk, which may belong to a new request reusing a finished one's id).
     """
 
     request_id: str
@@ -87,6 +89,7 @@ class StepRequest:
     anchor_token_id: int
     row_offset: int
     tokens: np.ndarray | None
+    decoding: bool = False
 
     @property
     def anchor_position(self) -> int:
@@ -194,6 +197,10 @@ class _Retained:
     last_used: int
     stale: bool = False
     reconnectable: bool = True
+    # The largest prefix end a RECONNECT from this request was refused at:
+    # its context cache only drops old positions, so it covers no prefix
+    # end at or below it again.
+    refused_end: int = -1
 
 
 class _TimingLog:
@@ -457,9 +464,12 @@ class RemotePlan:
         """Whether the server's state is the committed prefix of ``request``."""
         if request.first_position != state.end:
             return False
-        if request.request_id in self._previous_batch:
+        if request.request_id in self._previous_batch and (
+            request.decoding or request.tokens is None
+        ):
             return True
-        # Back after an absence: its tokens may have changed meanwhile.
+        # Back after an absence, or a prefill chunk (the id may be a new
+        # request's): its tokens may differ from those the server holds.
         return (
             state.tokens is not None
             and request.tokens is not None
@@ -535,7 +545,8 @@ class RemotePlan:
                 raise ProtocolError(f"malformed RECONNECT reply {reply}")
         except RemoteError as exc:
             logger.info("RECONNECT %s from %s refused: %s", rid, source_id, exc)
-            self.retained[source_id].reconnectable = False
+            source = self.retained[source_id]
+            source.refused_end = max(source.refused_end, prefix_end)
             return False
         except (TransportError, ProtocolError):
             self.retained[source_id].reconnectable = False
@@ -582,6 +593,7 @@ class RemotePlan:
                 and state.reconnectable
                 and state.tokens is not None
                 and state.start <= prefix_end <= state.end
+                and prefix_end > state.refused_end
                 and state.tokens.prefix_equals(request.tokens, prefix_end)
             ):
                 return rid

@@ -77,12 +77,15 @@ class StagedInputs:
     (``None``: the copies were synchronous).
 
     ``facts`` is int64 ``[3, R]``: rejected rows, first position and anchor
-    token per request; ``rows`` the bf16 context rows of every scheduled token.
+    token per request; ``prefilling`` whether each request prefills this step
+    (the runner's ``is_prefilling_np``); ``rows`` the bf16 context rows of
+    every scheduled token.
     """
 
     request_ids: list[str]
     idx_mapping: np.ndarray
     query_start_loc: np.ndarray
+    prefilling: np.ndarray
     facts: torch.Tensor
     rows: torch.Tensor
     event: torch.cuda.Event | None
@@ -192,6 +195,14 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
                 f"{REMOTE_METHODS}, not {method!r}."
             )
         parallel_config = vllm_config.parallel_config
+        if parallel_config.data_parallel_size > 1:
+            # The plan takes itself for the server's only client: engines
+            # sharing one server would FREE and CLEAR each other's requests.
+            raise ValueError(
+                "Remote drafting serves one engine per draft server; "
+                f"data_parallel_size={parallel_config.data_parallel_size} "
+                "is not supported."
+            )
         if parallel_config.prefill_context_parallel_size > 1:
             raise ValueError(
                 "Remote drafting does not support prefill context parallelism."
@@ -384,6 +395,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             request_ids=list(input_batch.req_ids[:n]),
             idx_mapping=input_batch.idx_mapping_np[:n].copy(),
             query_start_loc=input_batch.query_start_loc_np[: n + 1].copy(),
+            prefilling=input_batch.is_prefilling_np[:n].copy(),
             facts=host_facts,
             rows=host_rows,
             event=event,
@@ -408,6 +420,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
                 anchor_token_id=int(anchors[i]),
                 row_offset=int(starts[i]),
                 tokens=None if table is None else table[staged.idx_mapping[i]],
+                decoding=not staged.prefilling[i],
             )
             for i, rid in enumerate(staged.request_ids)
         ]
