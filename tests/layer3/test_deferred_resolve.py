@@ -11,6 +11,7 @@ for the reply; the order of everything else is the runner's own."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import torch
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm import envs
-from vllm.k3_draft import protocol, stream_gate
+from vllm.k3_draft import deferred, protocol, stream_gate
 from vllm.k3_draft.deferred import (
     DeferredResolution,
     install_deferred_resolution,
@@ -139,13 +140,35 @@ def switch_interval():
     sys.setswitchinterval(saved)
 
 
-def test_deferred_resolution_lowers_the_switch_interval(
+def _defer_one_step(speculator: Any) -> None:
+    strategy = _deferred(speculator)
+    strategy.select_step(_runner_view(), _batch(["a"], [3]))
+    _propose(speculator, _batch(["a"], [3]))
+    assert strategy.pending
+    strategy.consume(lambda *args: None)
+
+
+def test_a_deferred_reply_lowers_the_switch_interval(
     make_speculator, scripted_server, monkeypatch, switch_interval
 ):
     monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "100")
     speculator, _ = make_speculator(scripted_server.address)
-    install_deferred_resolution(speculator)
+    _defer_one_step(speculator)
     assert sys.getswitchinterval() == pytest.approx(100e-6)
+
+
+def test_switch_interval_is_kept_until_a_reply_is_deferred(
+    make_speculator, scripted_server, monkeypatch, switch_interval
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "100")
+    speculator, _ = make_speculator(scripted_server.address)
+    strategy = _deferred(speculator)
+    # Steps that resolve synchronously (here: before warm-up) keep it.
+    strategy.warmed = False
+    strategy.select_step(_runner_view(), _batch(["a"], [3]))
+    _propose(speculator, _batch(["a"], [3]))
+    assert not strategy.pending
+    assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
 def test_switch_interval_zero_keeps_the_interpreter_s(
@@ -153,7 +176,7 @@ def test_switch_interval_zero_keeps_the_interpreter_s(
 ):
     monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "0")
     speculator, _ = make_speculator(scripted_server.address)
-    install_deferred_resolution(speculator)
+    _defer_one_step(speculator)
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
@@ -163,8 +186,23 @@ def test_switch_interval_is_never_raised(
     sys.setswitchinterval(20e-6)
     monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "100")
     speculator, _ = make_speculator(scripted_server.address)
-    install_deferred_resolution(speculator)
+    _defer_one_step(speculator)
     assert sys.getswitchinterval() == pytest.approx(20e-6)
+
+
+def test_without_a_cuda_runtime_replies_resolve_synchronously(
+    make_speculator, scripted_server, monkeypatch
+):
+    speculator, _ = make_speculator(scripted_server.address)
+
+    def no_runtime(*args: Any, **kwargs: Any) -> None:
+        raise OSError("libcudart not found (torch's bundled runtime or the system's)")
+
+    # As on ROCm: the device is "cuda" but the gate cannot load its runtime.
+    monkeypatch.setattr(speculator, "device", torch.device("cuda"))
+    monkeypatch.setattr(deferred, "StreamGate", no_runtime)
+    assert install_deferred_resolution(speculator) is None
+    assert type(speculator.resolution) is ImmediateResolution
 
 
 @pytest.mark.parametrize("value", ["-1", "fast", "0.5"])
@@ -498,6 +536,29 @@ def test_failed_reply_yields_no_draft_and_disables_the_requests(
     assert (runner.req_states.draft_tokens.data[slots] == -1).all()
     assert log[-1] == ("output_copy", ["a", "b"])
     assert all(speculator.plan.retained[r].stale for r in ("a", "b"))
+
+
+@pytest.mark.parametrize(
+    ("error", "traceback"),
+    [(RuntimeError("plan bug"), True), (protocol.ProtocolError("bad reply"), False)],
+)
+def test_a_failed_reply_is_logged_with_a_traceback_unless_the_server_s(
+    make_speculator, scripted_server, monkeypatch, caplog, error, traceback
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    strategy = _deferred(speculator)
+
+    def failing(step: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(speculator, "exchange", failing)
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_draft.deferred"):
+        strategy.select_step(_runner_view(), _batch(["a"], [3]))
+        drafts = _propose(speculator, _batch(["a"], [3]))
+        strategy.consume(lambda *args: None)
+    assert (drafts == -1).all()
+    (record,) = [r for r in caplog.records if "reply failed" in r.getMessage()]
+    assert (record.exc_info is not None) is traceback
 
 
 def test_staging_slots_alternate(make_speculator, scripted_server):

@@ -42,7 +42,9 @@ other extension keeps the synchronous path.
 The reply thread needs the GIL between its blocking calls while the runner's
 Python prepares the next step; CPython hands it over only after its switch
 interval (5 ms by default), so rank 0 lowers the process's switch interval to
-``VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US`` (never raises it).
+``VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US`` (never raises it) when it first
+defers a reply. Where the stream gate cannot be built (no CUDA runtime, as on
+ROCm) replies resolve synchronously.
 
 A failing reply (exchange raises, the PROPOSE fails, or an extension's
 ``consume`` raises ``ProtocolError``) stages no draft (-1) for the whole step,
@@ -261,6 +263,7 @@ class DeferredResolution(ImmediateResolution):
         self._slots: list[_Slot] = []
         self._next_slot = 0
         self._worker: _ReplyWorker | None = None
+        self._switch_interval_us = envs.VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US
         # Same on every rank (the extensions are built from the same config).
         handles = [extension_staging(e) for e in speculator.extensions]
         self.deferrable = all(handle is not None for handle in handles)
@@ -268,17 +271,20 @@ class DeferredResolution(ImmediateResolution):
         if speculator.plan is None:
             return
         cuda = speculator.device.type == "cuda"
+        # The gates first: without a CUDA runtime they raise OSError.
+        gates = [
+            ReplyGate(StreamGate() if cuda else None) for _ in range(NUM_STAGING_SLOTS)
+        ]
         shape = (speculator.max_num_reqs, speculator.num_speculative_steps)
         self._slots = [
             _Slot(
                 index,
                 torch.full(shape, NO_DRAFT, dtype=torch.int64, pin_memory=cuda),
-                ReplyGate(StreamGate() if cuda else None),
+                gate,
             )
-            for index in range(NUM_STAGING_SLOTS)
+            for index, gate in enumerate(gates)
         ]
         self._worker = _ReplyWorker()
-        lower_switch_interval(envs.VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US)
 
     @property
     def pending(self) -> bool:
@@ -311,6 +317,8 @@ class DeferredResolution(ImmediateResolution):
             return super().resolve(speculator, step)
         slot = None
         if self._slots:
+            # Only a process that defers pays for the shorter interval.
+            lower_switch_interval(self._switch_interval_us)
             slot = self._slots[self._next_slot]
             self._next_slot = (self._next_slot + 1) % NUM_STAGING_SLOTS
             if slot.done is not None:
@@ -401,6 +409,8 @@ class DeferredResolution(ImmediateResolution):
             "Deferred draft reply failed (%r); no drafts for %d requests",
             exc,
             len(request_ids),
+            # A protocol failure is the server's; anything else a bug here.
+            exc_info=None if isinstance(exc, ProtocolError) else exc,
         )
         if plan is None:
             return
@@ -429,6 +439,15 @@ def install_deferred_resolution(speculator: object) -> DeferredResolution | None
         and envs.VLLM_K3_DRAFT_DEFERRED_RESOLVE
     ):
         return None
-    strategy = DeferredResolution(speculator)
+    try:
+        strategy = DeferredResolution(speculator)
+    except OSError as exc:
+        # The stream gate needs CUDA's runtime (not on ROCm, say).
+        logger.warning(
+            "Deferred draft resolution is unavailable (%s); resolving draft "
+            "replies synchronously",
+            exc,
+        )
+        return None
     speculator.resolution = strategy
     return strategy
