@@ -267,7 +267,7 @@ def test_row_capacity_is_checked_at_construction(
 
     planner = _builder(model_dir, monkeypatch).k3_verify
     assert planner.max_num_seqs * planner.max_query_len == 48
-    with pytest.raises(ValueError, match="row capacity"):
+    with pytest.raises(ValueError, match="max_num_seqs 65536 exceeds"):
         k3_fused_verify.FusedVerifyPlanner(
             SimpleNamespace(
                 scheduler_config=SimpleNamespace(max_num_seqs=1 << 16),

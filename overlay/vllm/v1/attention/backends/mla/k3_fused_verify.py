@@ -17,7 +17,8 @@ Contracts:
 - ``FusedVerifyPlanner`` (one per metadata builder): graph-stable plans per
   power-of-two batch capacity (1, 2, 4, ... plus ``max_num_seqs``); the row
   capacity and the page-table width are checked at construction, errors are
-  raised there, never at a step.
+  raised there (``attach`` checks each step's page table again and raises
+  rather than drop pages).
 - ``FusedVerifyPlanner.attach`` marks a step's decode metadata with the plan
   of the smallest covering capacity, or leaves it unmarked (upstream's path).
 - ``forward_fused_verify``: the call into the kernel, ``(o, lse)`` as
@@ -61,8 +62,6 @@ class VerifyPlan:
     """Largest number of decode requests the plan serves."""
     query_len: int
     num_kv_splits: int
-    workspace_numel: int
-    """float32 scratch elements for ``capacity`` requests."""
     dcp_size: int
     cp_interleave: int
 
@@ -155,9 +154,9 @@ class FusedVerifyPlanner:
         # (rows and splits at most those it was sized for).
         if max_num_seqs > kernel.MAX_NUM_REQS:
             raise ValueError(
-                f"fused MLA verify: row capacity {max_num_seqs} seqs x "
-                f"{max_query_len} rows exceeds the kernel's "
-                f"{kernel.MAX_NUM_REQS} requests per launch; lower max_num_seqs"
+                f"fused MLA verify: max_num_seqs {max_num_seqs} exceeds the "
+                f"kernel's {kernel.MAX_NUM_REQS} requests per launch; lower "
+                "max_num_seqs"
             )
 
         # Page-table coverage: the worker's row width against the pages of the
@@ -200,9 +199,6 @@ class FusedVerifyPlanner:
                         capacity=cap,
                         query_len=qlen,
                         num_kv_splits=splits,
-                        workspace_numel=kernel.workspace_numel(
-                            cap * qlen, num_heads, splits
-                        ),
                         dcp_size=dcp_size,
                         cp_interleave=cp_interleave,
                     )
