@@ -510,6 +510,20 @@ def test_a_cleared_slot_publishes_no_draft_and_keeps_the_cache(
     assert torch.equal(extension.draft_logits, cache)
 
 
+@pytest.mark.parametrize("topk", [0, 5])
+def test_a_slot_no_reply_filled_publishes_no_draft_and_keeps_the_cache(
+    one_rank, reference_gumbel, topk
+):
+    extension = RemoteDraftLogits(
+        LogitsFormat(40, topk), K, 8, 64, torch.device("cpu"), False, one_rank
+    )
+    cache = extension.draft_logits.clone()
+    got = torch.full((2, K), 7)
+    extension.publish(extension.staged_payload(1), _context(got, [4, 5]))
+    assert (got == -1).all()
+    assert torch.equal(extension.draft_logits, cache)
+
+
 class _ParkedCopy:
     """Stands in for a device copy's event and counts the host waits for it
     (for a copy parked behind a gate, a wait from the thread that alone

@@ -23,13 +23,15 @@ position before it, as for upstream's local drafts.
 
 A client validates every field, the frame length, the values and that top-k
 ids are distinct vocabulary ids, before using anything (``decode_logits``).
-A value is -inf (a masked token) or finite with magnitude below ``2**16``, and
-each slot has a finite one. The bound keeps the samplers' fp32
-``logit / temperature`` finite: vLLM samples at temperature 0 (greedy, no
-division) or at least 1e-2 (``SamplingParams`` raises smaller ones), so
-``|logit| / T < 2**16 * 100``, whereas a bf16 near its maximum (3.4e38)
-overflows at any T < 1, fixes the Gumbel draw and makes the rejection
-sampler's q NaN. This module imports only the standard library, numpy and
+A value is below ``2**16`` (-inf and large negative values are masked
+tokens, as the verifier's own fill is), never NaN, and each slot has one of
+magnitude below ``2**16``. The bound keeps the samplers' fp32
+``logit / temperature`` finite where it matters: vLLM samples at temperature
+0 (greedy, no division) or at least 1e-2 (``SamplingParams`` raises smaller
+ones), so ``logit / T < 2**16 * 100``, whereas a bf16 near its maximum
+(3.4e38) overflows at any T < 1, fixes the Gumbel draw and makes the
+rejection sampler's q NaN; a large negative value becomes -inf at worst,
+weight 0, while the slot's small value keeps its softmax defined. This module imports only the standard library, numpy and
 torch: the draft server uses it too.
 """
 
@@ -210,8 +212,9 @@ def _check_positions(
 
 
 def _check_values(values: np.ndarray) -> None:
-    """Only -inf or finite values of magnitude below ``2**16``, and a finite
-    value in every slot."""
+    """No NaN, no +inf, no value of ``2**16`` or more (-inf and large negative
+    values are masked tokens), and in every slot a value of magnitude below
+    ``2**16``."""
     large = (values & _EXPONENT) >= _TOO_LARGE  # also every infinity and NaN
     if not large.any():
         return
@@ -219,13 +222,15 @@ def _check_values(values: np.ndarray) -> None:
     infinite = (flagged & _EXPONENT) == _EXPONENT
     if (flagged[infinite] & _MANTISSA).any():
         raise ProtocolError("logits frame holds NaN")
-    # -inf (a masked token) is allowed; its sign bit makes the int16 negative.
+    # A negative value's sign bit makes its int16 negative.
     if (flagged[infinite] >= 0).any():
         raise ProtocolError("logits frame holds +inf")
-    if not infinite.all():
-        raise ProtocolError("logits frame holds a finite value of magnitude >= 2**16")
+    if (flagged >= 0).any():
+        raise ProtocolError("logits frame holds a value >= 2**16")
     if large.all(axis=-1).any():
-        raise ProtocolError("logits frame has a slot without a finite logit")
+        raise ProtocolError(
+            "logits frame has a slot without a logit of magnitude below 2**16"
+        )
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int) -> None:

@@ -90,6 +90,8 @@ class _Rows:
             rows, row_bytes, dtype=torch.uint8, device=device, pin_memory=pin
         )
         self.positions = self.bytes[:, :ids_at].view(torch.int64)
+        # No sample position until a reply fills the row.
+        self.positions.fill_(-1)
         self.ids: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         if topk:
