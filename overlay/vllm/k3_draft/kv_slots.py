@@ -7,7 +7,8 @@ physical KV blocks used as a ring, so position ``p`` of slot ``s`` lives in
 block ``1 + s * blocks_per_slot + (p // block) % blocks_per_slot`` at offset
 ``p % block``. A slot therefore holds the last ``reach = window + block``
 positions, enough for a full attention window at any block alignment. Block 0
-is never handed out: padding rows of captured CUDA graphs read and write it.
+is never handed out (reserved; padding rows of the reference engine's graphs
+use slot 0 with no visible context and write nothing).
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ def plan_reconnect(
     if not source.start <= prefix_end <= source.end:
         raise ProtocolError(
             f"prefix_end {prefix_end} is outside the source's valid positions "
-            f"[{source.start}, {source.end})"
+            f"[{source.start}, {source.end}]"
         )
     if rid not in requests and num_free_slots == 0:
         raise ProtocolError("no free slot for the reconnected request")
