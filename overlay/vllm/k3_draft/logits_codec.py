@@ -31,8 +31,9 @@ magnitude below ``2**16``. The bound keeps the samplers' fp32
 ones), so ``logit / T < 2**16 * 100``, whereas a bf16 near its maximum
 (3.4e38) overflows at any T < 1, fixes the Gumbel draw and makes the
 rejection sampler's q NaN; a large negative value becomes -inf at worst,
-weight 0, while the slot's small value keeps its softmax defined. This module imports only the standard library, numpy and
-torch: the draft server uses it too.
+weight 0, while the slot's small value keeps its softmax defined. This module
+imports only the standard library, numpy and torch: the draft server uses it
+too.
 """
 
 from __future__ import annotations
