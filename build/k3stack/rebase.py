@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from k3stack import StackError
 from k3stack.fetch import cache_dir, download, pip_index_url, project_files, sha256_file
 from k3stack.gitutil import git
 from k3stack.patchfile import HunkMismatch, apply_exact
-from k3stack.pin import PIN_FILE, Pin
+from k3stack.pin import PIN_FILE, Pin, load_pin
 from k3stack.series import Layer, Stack
 from k3stack.upstream import export_checkout, extract_sdist
 from k3stack.worktree import commit_all, layer_tag
@@ -187,6 +188,8 @@ def fetch_release(pin: Pin, version: str) -> tuple[Path, dict]:
 def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     from k3stack.cli import do_apply
 
+    if args.write_pin and args.to is None:
+        raise StackError("--write-pin needs --to VERSION (a release)")
     work = Path(tempfile.mkdtemp(prefix="k3stack-rebase-"))
     try:
         tree = work / "tree"
@@ -218,8 +221,6 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
                 print(f"rebase:   {hunk}")
         print(f"rebase: report in {args.report}/report.md")
         if args.write_pin:
-            if args.to is None:
-                raise StackError("--write-pin needs --to VERSION (a release)")
             write_pin(pin, args.to, new, sdist, info)
             print(f"rebase: pinned {pin.name} {args.to} in {PIN_FILE}")
     finally:
@@ -236,20 +237,44 @@ def retagged_image(image: str, version: str) -> str:
     return f"{name}:v{version}"
 
 
+def select_wheels(pin: Pin, version: str, names: Iterable[str]) -> dict[str, str]:
+    """The wheel of ``version`` for each architecture ``pin`` has: the only
+    one, or among several the one with the pinned wheel's platform tag.
+    Raises ``StackError`` where there is none or no single choice."""
+    chosen = {}
+    for arch, pinned in sorted(pin.wheels.items()):
+        found = sorted(n for n in names if n.endswith(f"_{arch}.whl"))
+        if not found:
+            raise StackError(
+                f"no {arch} wheel of {pin.name} {version} on the index: not re-pinning"
+            )
+        if len(found) > 1:
+            tag = pinned.filename.rsplit("-", 1)[-1]
+            same = [n for n in found if n.endswith(f"-{tag}")]
+            if len(same) != 1:
+                raise StackError(
+                    f"{len(found)} {arch} wheels of {pin.name} {version} on the "
+                    f"index ({', '.join(found)}) and not one with the pinned "
+                    f"platform tag {tag}: pin by hand"
+                )
+            found = same
+        chosen[arch] = found[0]
+    return chosen
+
+
 def write_pin(pin: Pin, version: str, tree: Path, sdist: Path, info: dict) -> None:
-    """Re-pin to ``version``: hashes of its sdist and wheels, commit from the sdist."""
+    """Re-pin to ``version``: hashes of its sdist and wheels (one per pinned
+    architecture), commit from the sdist; the new file is checked before it
+    replaces the old one."""
     version_file = tree / pin.name / "_version.py"
     match = re.search(r"commit_id = '(?:g)?([0-9a-f]+)'", version_file.read_text())
     if not match:
         raise StackError(f"{version_file}: no commit id")
     wheels = {}
-    for name, url in sorted(info["wheels"].items()):
-        arch = next((a for a in ("x86_64", "aarch64") if name.endswith(f"{a}.whl")), "")
-        if not arch:
-            continue
+    for arch, name in select_wheels(pin, version, info["wheels"]).items():
         target = cache_dir() / name
         if not target.exists():
-            download(url, target)
+            download(info["wheels"][name], target)
         wheels[arch] = (name, target.stat().st_size, sha256_file(target))
     lines = [
         "# The pinned upstream release the patch stack applies to. The tooling refuses",
@@ -284,4 +309,11 @@ def write_pin(pin: Pin, version: str, tree: Path, sdist: Path, info: dict) -> No
         f'base = "{base}"',
         "",
     ]
-    PIN_FILE.write_text("\n".join(lines))
+    staged = PIN_FILE.with_name(PIN_FILE.name + ".new")
+    staged.write_text("\n".join(lines))
+    try:
+        load_pin(staged)
+    except StackError:
+        staged.unlink()
+        raise
+    staged.replace(PIN_FILE)

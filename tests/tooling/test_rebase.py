@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
-from k3stack.rebase import classify, retagged_image
+from k3stack import StackError
+from k3stack.pin import Artifact, Pin
+from k3stack.rebase import classify, rebase_command, retagged_image, select_wheels
 from k3stack.upstream import extract_sdist
 
 
@@ -91,3 +94,63 @@ def test_a_new_pin_retags_the_base_image_and_drops_its_digest(
     image: str, expected: str
 ) -> None:
     assert retagged_image(image, "0.34.0") == expected
+
+
+def _pin(x86_64: str, aarch64: str) -> Pin:
+    return Pin(
+        name="vllm",
+        version="0.33.0",
+        commit="4ba787ec9",
+        sdist=Artifact("vllm-0.33.0.tar.gz", 1, "00"),
+        wheels={
+            "x86_64": Artifact(x86_64, 1, "00"),
+            "aarch64": Artifact(aarch64, 1, "00"),
+        },
+        base_image="vllm/vllm-openai:v0.33.0",
+    )
+
+
+PINNED = _pin(
+    "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+    "vllm-0.33.0-cp38-abi3-manylinux_2_28_aarch64.whl",
+)
+
+
+def test_a_new_pin_takes_one_wheel_per_pinned_architecture() -> None:
+    names = [
+        "vllm-0.34.0-cp38-abi3-manylinux_2_31_x86_64.whl",
+        "vllm-0.34.0-cp38-abi3-manylinux_2_31_aarch64.whl",
+        "vllm-0.34.0-cp38-abi3-macosx_11_0_arm64.whl",
+    ]
+    assert select_wheels(PINNED, "0.34.0", names) == {
+        "aarch64": names[1],
+        "x86_64": names[0],
+    }
+
+
+def test_a_release_without_a_pinned_architecture_s_wheel_is_not_pinned() -> None:
+    names = ["vllm-0.34.0-cp38-abi3-manylinux_2_31_x86_64.whl"]
+    with pytest.raises(StackError, match="no aarch64 wheel of vllm 0.34.0"):
+        select_wheels(PINNED, "0.34.0", names)
+
+
+def test_of_several_wheels_the_pinned_platform_tag_wins() -> None:
+    x86 = [
+        "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "vllm-0.34.0-cp38-abi3-manylinux_2_31_x86_64.whl",
+    ]
+    arm = "vllm-0.34.0-cp38-abi3-manylinux_2_28_aarch64.whl"
+    assert select_wheels(PINNED, "0.34.0", [*x86, arm])["x86_64"] == x86[0]
+    other = "vllm-0.34.0-cp38-abi3-manylinux_2_34_x86_64.whl"
+    with pytest.raises(StackError, match="2 x86_64 wheels .* pin by hand"):
+        select_wheels(PINNED, "0.34.0", [x86[1], other, arm])
+
+
+def test_write_pin_with_a_checkout_is_refused_before_any_work(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        to=None, checkout=tmp_path, report=tmp_path / "report", write_pin=True
+    )
+    # No stack and no pin: refused before either is used.
+    with pytest.raises(StackError, match="--write-pin needs --to VERSION"):
+        rebase_command(None, None, args)  # type: ignore[arg-type]
+    assert not (tmp_path / "report").exists()
