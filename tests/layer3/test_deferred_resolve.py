@@ -140,12 +140,14 @@ def switch_interval():
     sys.setswitchinterval(saved)
 
 
-def _defer_one_step(speculator: Any) -> None:
+def _defer_one_step(speculator: Any) -> torch.Tensor:
+    """One deferred step of request "a", consumed; its draft tokens."""
     strategy = _deferred(speculator)
     strategy.select_step(_runner_view(), _batch(["a"], [3]))
-    _propose(speculator, _batch(["a"], [3]))
+    drafts = _propose(speculator, _batch(["a"], [3]))
     assert strategy.pending
     strategy.consume(lambda *args: None)
+    return drafts
 
 
 def test_a_deferred_reply_lowers_the_switch_interval(
@@ -546,16 +548,13 @@ def test_a_failed_reply_is_logged_with_a_traceback_unless_the_server_s(
     make_speculator, scripted_server, monkeypatch, caplog, error, traceback
 ):
     speculator, _ = make_speculator(scripted_server.address)
-    strategy = _deferred(speculator)
 
     def failing(step: Any) -> None:
         raise error
 
     monkeypatch.setattr(speculator, "exchange", failing)
     with caplog.at_level(logging.WARNING, logger="vllm.k3_draft.deferred"):
-        strategy.select_step(_runner_view(), _batch(["a"], [3]))
-        drafts = _propose(speculator, _batch(["a"], [3]))
-        strategy.consume(lambda *args: None)
+        drafts = _defer_one_step(speculator)
     assert (drafts == -1).all()
     (record,) = [r for r in caplog.records if "reply failed" in r.getMessage()]
     assert (record.exc_info is not None) is traceback

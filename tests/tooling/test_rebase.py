@@ -96,23 +96,18 @@ def test_a_new_pin_retags_the_base_image_and_drops_its_digest(
     assert retagged_image(image, "0.34.0") == expected
 
 
-def _pin(x86_64: str, aarch64: str) -> Pin:
-    return Pin(
-        name="vllm",
-        version="0.33.0",
-        commit="4ba787ec9",
-        sdist=Artifact("vllm-0.33.0.tar.gz", 1, "00"),
-        wheels={
-            "x86_64": Artifact(x86_64, 1, "00"),
-            "aarch64": Artifact(aarch64, 1, "00"),
-        },
-        base_image="vllm/vllm-openai:v0.33.0",
-    )
-
-
-PINNED = _pin(
-    "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-    "vllm-0.33.0-cp38-abi3-manylinux_2_28_aarch64.whl",
+# A pin of the shape of build/pin.toml (not the file: re-pinning it would
+# change what these tests mean).
+PINNED = Pin(
+    name="vllm",
+    version="0.33.0",
+    commit="4ba787ec9",
+    sdist=Artifact("vllm-0.33.0.tar.gz", 1, "00"),
+    wheels={
+        arch: Artifact(f"vllm-0.33.0-cp38-abi3-manylinux_2_28_{arch}.whl", 1, "00")
+        for arch in ("x86_64", "aarch64")
+    },
+    base_image="vllm/vllm-openai:v0.33.0",
 )
 
 
