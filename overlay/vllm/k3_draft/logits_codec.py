@@ -158,29 +158,45 @@ def encode_logits(
     fmt: LogitsFormat,
     positions: list[list[int | None]],
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """Server side: the reply entry and the frame bytes (uint8, on the
-    logits' device) of pre-temperature ``logits`` ``[R, K, V]``.
+    """Server side: the reply entry (``reply_metadata``) and the frame bytes
+    (uint8, on the logits' device) of pre-temperature ``logits`` ``[R, K, V]``.
 
-    Values are the logits rounded to bf16; top-k picks the ``k`` largest bf16
-    values of each slot (ties broken by the device's ``topk``).
+    Values are the logits rounded to bf16; top-k frames are ``topk_frame``'s.
     """
+    meta = reply_metadata(logits, fmt, positions)
+    if fmt.topk:
+        return meta, topk_frame(logits, fmt.topk)
+    return meta, logits.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+
+
+def reply_metadata(
+    logits: torch.Tensor,
+    fmt: LogitsFormat,
+    positions: list[list[int | None]],
+) -> dict[str, Any]:
+    """The reply entry of ``logits`` ``[R, K, V]`` in ``fmt`` (less
+    ``capability`` and ``num_frames``); ``ValueError`` unless V is ``fmt``'s
+    vocabulary."""
     num_requests, num_tokens, vocab = logits.shape
     if vocab != fmt.vocab_size:
         raise ValueError(f"engine logits have {vocab} columns, not {fmt.vocab_size}")
-    values = logits.to(torch.bfloat16).contiguous()
-    if fmt.topk:
-        values, ids = values.topk(fmt.topk, dim=-1, sorted=False)
-        frame = torch.cat(
-            (
-                values.contiguous().view(torch.uint8).reshape(-1),
-                ids.to(torch.int32).view(torch.uint8).reshape(-1),
-            )
-        )
-    else:
-        frame = values.view(torch.uint8).reshape(-1)
     meta = fmt.metadata(num_requests, num_tokens)
     meta["sample_positions"] = positions
-    return meta, frame
+    return meta
+
+
+def topk_frame(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k frame's bytes (uint8, on the logits' device) of ``logits``
+    ``[R, K, V]``: the ``k`` largest bf16 values of each slot, then their ids
+    as int32, both ``[R, K, k]`` (ties broken by the device's ``topk``)."""
+    values = logits.to(torch.bfloat16).contiguous()
+    values, ids = values.topk(k, dim=-1, sorted=False)
+    return torch.cat(
+        (
+            values.contiguous().view(torch.uint8).reshape(-1),
+            ids.to(torch.int32).view(torch.uint8).reshape(-1),
+        )
+    )
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,29 @@ probabilistic DSpark draft.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm.k3_draft import protocol
+from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.logits_codec import (
     CAPABILITY_FULL,
     CAPABILITY_TOPK,
     REQUEST_FIELDS,
     LogitsFormat,
     encode_logits,
+    reply_metadata,
     requested_format,
     sample_positions,
+    topk_frame,
 )
 from vllm.k3_draft.plan import ProposeExtension, register_extension_factory
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,111 @@ class _Request:
     max_model_len: int
 
 
+class TopkGraphs:
+    """Top-k frames of CUDA logits written by CUDA graph replay.
+
+    ``torch.topk`` over vocabulary-wide rows, the id cast and the frame's
+    concatenation cost about 200 us of host time in launches on the H200;
+    replaying them as one graph costs a tenth (``docs/p2-draft-logits.md``).
+    A graph reads the logits where it was captured and writes the frame into
+    the host buffer it was captured with, so it serves one (address, shape,
+    strides, dtype, k) of the logits and one host buffer. A key is captured
+    the second time it is seen: engines with CUDA graphs return their logits
+    in the same buffer every step, and an engine whose buffer moves every
+    step is never captured (it stays on the eager path). At most
+    ``MAX_GRAPHS`` graphs are kept (least recently used first out), in one
+    memory pool; a new host buffer drops them all. A failed capture turns
+    the graphs off for good, with one warning.
+    """
+
+    MAX_GRAPHS = 16
+
+    def __init__(self) -> None:
+        self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
+        self._seen: set[Hashable] = set()
+        self._host_ptr = 0
+        self._pool: Any = None
+        self.enabled = True
+
+    def __len__(self) -> int:
+        """The number of graphs kept."""
+        return len(self._graphs)
+
+    def write(self, logits: torch.Tensor, k: int, host: torch.Tensor) -> bool:
+        """Write ``topk_frame(logits, k)`` of CUDA ``logits`` into pinned
+        ``host`` (its exact size) and wait for it; False, with nothing
+        written, when no graph serves this call."""
+        if not self.enabled:
+            return False
+        if host.data_ptr() != self._host_ptr:
+            self._graphs.clear()
+            self._seen.clear()
+            self._host_ptr = host.data_ptr()
+        key = (
+            logits.data_ptr(),
+            logits.device,
+            logits.dtype,
+            tuple(logits.shape),
+            logits.stride(),
+            k,
+        )
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:
+                if len(self._seen) >= 4 * self.MAX_GRAPHS:
+                    self._seen.clear()
+                self._seen.add(key)
+                return False
+            graph = self._capture(logits, k, host)
+            if graph is None:
+                return False
+            self._graphs[key] = graph
+            if len(self._graphs) > self.MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        graph.replay()
+        torch.cuda.current_stream(logits.device).synchronize()
+        return True
+
+    def _capture(
+        self, logits: torch.Tensor, k: int, host: torch.Tensor
+    ) -> torch.cuda.CUDAGraph | None:
+        def frame_to_host() -> None:
+            host.copy_(topk_frame(logits, k), non_blocking=True)
+
+        try:
+            with torch.cuda.device(logits.device):
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                # Kernels and workspaces load outside the capture.
+                warm = torch.cuda.Stream()
+                warm.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(warm):
+                    frame_to_host()
+                torch.cuda.current_stream().wait_stream(warm)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(
+                    graph, pool=self._pool, capture_error_mode="thread_local"
+                ):
+                    frame_to_host()
+        except RuntimeError as exc:
+            logger.warning(
+                "Top-k logits frames stay eager: CUDA graph capture failed (%s)", exc
+            )
+            self.enabled = False
+            self._graphs.clear()
+            return None
+        return graph
+
+
 class DraftLogitsReply(protocol.ReplyExtension):
     """Server half of one draft-logits capability (full vocabulary or top-k).
 
     Frames of a device (CUDA) engine are staged in pinned host memory owned
     by the extension; the transport sends them before the next request runs.
+    Top-k frames of CUDA logits come from ``TopkGraphs`` where a graph
+    serves them.
     """
 
     request_fields = REQUEST_FIELDS
@@ -56,6 +162,7 @@ class DraftLogitsReply(protocol.ReplyExtension):
         self.topk = topk
         self.capability = CAPABILITY_TOPK if topk else CAPABILITY_FULL
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._graphs = TopkGraphs()
 
     def is_offered(self, server_info: Mapping[str, Any], engine_logits: bool) -> bool:
         return engine_logits
@@ -71,24 +178,33 @@ class DraftLogitsReply(protocol.ReplyExtension):
     def build_reply(
         self, options: _Request, context: protocol.ReplyContext
     ) -> tuple[dict[str, Any], list[memoryview]]:
-        if context.logits is None:
+        logits = context.logits
+        if logits is None:
             raise RuntimeError("the engine returned no logits")
         positions = sample_positions(
             context.anchor_positions,
             context.num_speculative_tokens,
             options.max_model_len,
         )
-        meta, frame = encode_logits(context.logits, options.fmt, positions)
+        fmt = options.fmt
+        if fmt.topk and logits.device.type == "cuda":
+            meta = reply_metadata(logits, fmt, positions)
+            host = self._host(meta["nbytes"])
+            if self._graphs.write(logits, fmt.topk, host):
+                return meta, [protocol.tensor_frame(host)]
+        meta, frame = encode_logits(logits, fmt, positions)
         return meta, [protocol.tensor_frame(self._to_host(frame))]
+
+    def _host(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the pinned staging buffer (grown to fit)."""
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging[:nbytes]
 
     def _to_host(self, frame: torch.Tensor) -> torch.Tensor:
         if frame.device.type == "cpu":
             return frame
-        if self._staging.numel() < frame.numel():
-            self._staging = torch.empty(
-                frame.numel(), dtype=torch.uint8, pin_memory=True
-            )
-        host = self._staging[: frame.numel()]
+        host = self._host(frame.numel())
         host.copy_(frame)
         return host
 

@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Top-k frames of CUDA logits by CUDA graph replay (layer 2's server half,
+``TopkGraphs``): the frame a replay writes is byte for byte the eager
+encoder's, for the logits in the buffer at replay time, whatever sequence of
+shapes, k and host buffers led there. Needs no vllm (the server half runs on
+draft hosts without it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.k3_draft import protocol
+from vllm.k3_draft.capabilities.draft_logits import DraftLogitsReply, TopkGraphs
+from vllm.k3_draft.logits_codec import (
+    LogitsFormat,
+    encode_logits,
+    sample_positions,
+    topk_frame,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU: graphs replay there"
+    ),
+]
+
+VOCAB = 163_840
+K = 3
+
+
+def _logits(batch: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(batch, K, VOCAB, generator=generator, device="cuda").bfloat16()
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _eager(logits: torch.Tensor, k: int) -> bytes:
+    return bytes(topk_frame(logits, k).cpu().numpy())
+
+
+@pytest.mark.parametrize(("batch", "k"), [(1, 1), (1, 64), (8, 64), (8, 256)])
+def test_a_key_seen_twice_is_replayed_with_the_eager_frame(batch: int, k: int) -> None:
+    graphs, logits = TopkGraphs(), _logits(batch, seed=k)
+    host = _pinned(batch * K * k * 6)
+    assert not graphs.write(logits, k, host)  # first sighting: eager
+    assert graphs.write(logits, k, host)  # captured, replayed
+    assert bytes(host.numpy()) == _eager(logits, k)
+
+
+def test_a_replay_reads_the_buffer_as_it_is_now() -> None:
+    graphs, logits = TopkGraphs(), _logits(8, seed=1)
+    host = _pinned(8 * K * 64 * 6)
+    graphs.write(logits, 64, host)
+    graphs.write(logits, 64, host)
+    logits.copy_(_logits(8, seed=2))
+    host.zero_()
+    assert graphs.write(logits, 64, host)
+    assert bytes(host.numpy()) == _eager(logits, 64)
+
+
+def test_a_buffer_that_moves_every_call_is_never_captured() -> None:
+    graphs = TopkGraphs()
+    host = _pinned(8 * K * 64 * 6)
+    kept = [_logits(8, seed=seed) for seed in range(4)]
+    assert not any(graphs.write(logits, 64, host) for logits in kept)
+
+
+def test_a_new_host_buffer_drops_the_graphs() -> None:
+    graphs, logits = TopkGraphs(), _logits(1, seed=3)
+    host = _pinned(K * 16 * 6)
+    graphs.write(logits, 16, host)
+    assert graphs.write(logits, 16, host)
+    other = _pinned(K * 16 * 6)
+    assert not graphs.write(logits, 16, other)  # seen anew
+    assert graphs.write(logits, 16, other)
+    assert bytes(other.numpy()) == _eager(logits, 16)
+
+
+def test_at_most_max_graphs_are_kept_and_a_dropped_one_comes_back() -> None:
+    graphs, logits = TopkGraphs(), _logits(1, seed=4)
+    host = _pinned(K * (TopkGraphs.MAX_GRAPHS + 1) * 6)
+    for k in range(1, TopkGraphs.MAX_GRAPHS + 2):
+        graphs.write(logits, k, host[: K * k * 6])
+        assert graphs.write(logits, k, host[: K * k * 6])
+    assert len(graphs) == TopkGraphs.MAX_GRAPHS
+    # k = 1, the least recently used, was dropped; it is captured again.
+    assert graphs.write(logits, 1, host[: K * 6])
+    assert bytes(host[: K * 6].numpy()) == _eager(logits, 1)
+    assert len(graphs) == TopkGraphs.MAX_GRAPHS
+
+
+def test_the_reply_frames_of_repeated_proposes_are_the_eager_encoders() -> None:
+    reply = DraftLogitsReply(topk=True)
+    fmt = LogitsFormat(VOCAB, 64)
+    options = reply.parse_request(
+        fmt.request_fields(), {"vocab_size": VOCAB, "max_model_len": 1 << 20}
+    )
+    logits = _logits(8, seed=5)
+    anchors = tuple(range(100, 108))
+    context = protocol.ReplyContext(
+        tuple(f"r{i}" for i in range(8)),
+        anchors,
+        K,
+        torch.zeros(8, K, dtype=torch.int64),
+        logits,
+    )
+    expected_meta, _ = encode_logits(logits, fmt, sample_positions(anchors, K, 1 << 20))
+    for seed in range(3):
+        logits.copy_(_logits(8, seed=10 + seed))
+        expected = _eager(logits, 64)
+        meta, frames = reply.build_reply(options, context)
+        assert meta == expected_meta
+        assert [bytes(f) for f in frames] == [expected]
