@@ -23,7 +23,10 @@ of a failed or malformed reply is used. A request whose remote state is
 uncertain after a failure is marked stale and FREEd first on the next step; a
 failing FREE keeps it stale. A transport failure ends the step for every
 request and the client stays offline, with exponential backoff, until a
-handshake succeeds again; a retry never blocks a step for the RPC timeout.
+handshake succeeds again; error or malformed replies do the same from the
+second in a row (the first is retried with a handshake next step: a
+restarted server answers that way). A retry never blocks a step for the RPC
+timeout.
 
 Extension point: a higher layer adds a ``ProposeExtension`` (the verifier half
 of a wire capability) by registering a factory with
@@ -321,6 +324,8 @@ class RemotePlan:
         self._max_retry_interval_s = max_retry_interval_s
         self._backoff_s = retry_interval_s
         self._retry_at = 0.0
+        # Error or malformed replies since the last successful PROPOSE.
+        self._failed_replies = 0
         # While a PING of a retry is outstanding: when it is given up.
         self._probe_deadline: float | None = None
         self._warned_long_id = False
@@ -343,7 +348,8 @@ class RemotePlan:
             self.retained.clear()
         self._server_id = info.server_id
         self.server = info
-        self._backoff_s = self._retry_interval_s
+        if not self._failed_replies:
+            self._backoff_s = self._retry_interval_s
         return info
 
     def _online(self) -> bool:
@@ -395,6 +401,19 @@ class RemotePlan:
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(2 * self._backoff_s, self._max_retry_interval_s)
 
+    def _reply_failed(self, op: str, exc: ProtocolError | RemoteError) -> None:
+        """An error or malformed reply. The first since the last successful
+        PROPOSE is retried with a handshake next step (a restarted server
+        answers this way); from the second on, the server is treated as
+        unreachable (backoff), so a server that fails every call costs one
+        round trip and one warning per retry, not three and one per step."""
+        self._failed_replies += 1
+        if self._failed_replies > 1:
+            self._go_offline(exc)
+            return
+        logger.warning("Draft %s failed (%s); no drafts this step", op, exc)
+        self.server = None
+
     # -------------------------------------------------------------- step
 
     def run(self, step: StepInputs) -> StepResult:
@@ -413,8 +432,7 @@ class RemotePlan:
         except (ProtocolError, RemoteError) as exc:
             # A malformed RECONNECT reply or a refused CLEAR (their requests
             # are already stale): fail closed as a failed PROPOSE does.
-            logger.warning("Draft RPC failed (%s); no drafts this step", exc)
-            self.server = None
+            self._reply_failed("RPC", exc)
         self._previous_batch = batch
         return result
 
@@ -658,10 +676,10 @@ class RemotePlan:
                 self._mark_stale(r.request_id)
             if not isinstance(exc, (ProtocolError, RemoteError)):
                 raise
-            logger.warning("Draft PROPOSE failed (%s); no drafts this step", exc)
-            # Handshake again next step: a restarted server answers this way.
-            self.server = None
+            self._reply_failed("PROPOSE", exc)
             return
+        self._failed_replies = 0
+        self._backoff_s = self._retry_interval_s
         self._timing.observe(round_trip_ms, header["latency_ms"], header["timing_ms"])
         for r, (_, reset) in zip(requests, entries):
             self._commit(r, reset)
