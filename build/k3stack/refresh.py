@@ -16,6 +16,7 @@ from k3stack.patchfile import LayerPatch, parse_commit_message, parse_diff
 from k3stack.series import Layer, Stack, load_stack
 from k3stack.worktree import (
     UPSTREAM_TAG,
+    applied_layers,
     digests_of,
     disk_digest,
     layer_digest,
@@ -97,6 +98,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     if not is_work_tree(tree):
         raise StackError(f"{tree} is not a work tree; run `nox -s apply` first")
     marker = read_marker(tree)
+    layers = applied_layers(stack, tree, marker)
     dirty = dirty_paths(tree)
     if dirty:
         raise StackError(
@@ -119,7 +121,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     pending = []
     lower_overlay: set[str] = set()
     for layer, commit, applied_digest in zip(
-        stack.layers[:applied], commits, applied_digests, strict=True
+        layers, commits, applied_digests, strict=True
     ):
         where = f"layer {layer.number} ({layer.name})"
         patch, owned = read_layer(tree, commit, upstream, lower_overlay, where)
@@ -180,7 +182,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         applied,
         [
             on_disk[i] if layer.number in written else applied_digests[i]
-            for i, layer in enumerate(stack.layers[:applied])
+            for i, layer in enumerate(layers)
         ],
     )
     return changed

@@ -83,9 +83,8 @@ def current_marker(stack: Stack, tree: Path) -> dict:
     first that differs."""
     marker = refreshed_marker(tree)
     refuse_uncommitted(tree)
-    applied = marker["layers"]
-    digests = marker.get("digests") or [None] * applied
-    layers = stack.layers[:applied]
+    layers = applied_layers(stack, tree, marker)
+    digests = marker.get("digests") or [None] * len(layers)
     for layer, digest in zip(layers, digests, strict=False):
         if disk_digest(stack, layer) != digest:
             raise StackError(
@@ -93,9 +92,20 @@ def current_marker(stack: Stack, tree: Path) -> dict:
                 "applied, not as patches/ and overlay/ hold it now; refused: "
                 "run `nox -s apply` again"
             )
-    if len(layers) != applied:
-        raise StackError(f"{tree} holds {applied} layers, patches/series fewer")
     return marker
+
+
+def applied_layers(stack: Stack, tree: Path, marker: dict) -> list[Layer]:
+    """The layers ``tree`` holds (by its marker); ``StackError`` if
+    patches/series lists fewer."""
+    applied = marker["layers"]
+    if applied > len(stack.layers):
+        raise StackError(
+            f"{tree} holds {applied} layers, patches/series lists "
+            f"{len(stack.layers)}; refused: restore the series or run "
+            "`nox -s apply` again"
+        )
+    return stack.layers[:applied]
 
 
 def refuse_uncommitted(tree: Path) -> None:

@@ -429,3 +429,16 @@ def test_a_fixup_squashed_into_its_layer_is_refreshed_and_tags_follow(
     assert git(filled.tree, "rev-parse", "layer-2") == git(
         filled.tree, "rev-parse", "HEAD~1"
     )
+
+
+def test_refresh_refuses_a_series_shorter_than_the_tree_in_one_line(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    series = filled.root / "patches/series"
+    series.write_text(series.read_text().replace("0003-layer-3.patch\n", ""))
+    (filled.root / "patches/0003-layer-3.patch").unlink()
+    before = snapshot(filled)
+    with pytest.raises(StackError, match="holds 3 layers, patches/series lists 2"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
