@@ -167,6 +167,17 @@ def parse_commit_message(message: str, where: str) -> LayerPatch:
     return LayerPatch(subject.strip(), parse_fields(body, where))
 
 
+def decode_utf8(data: bytes, where: str) -> str:
+    """``data`` as text; ``StackError`` naming ``where`` if it is not UTF-8."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise StackError(
+            f"{where}: line {line} is not UTF-8; refused: write it in UTF-8"
+        ) from None
+
+
 def load(path: Path) -> LayerPatch:
     """Parse a layer patch file."""
     data = path.read_bytes()
@@ -174,7 +185,7 @@ def load(path: Path) -> LayerPatch:
     head, sep, diff = data.partition(b"\n---\n")
     if not sep:
         raise StackError(f"{where}: no '---' line between header and diff")
-    lines = head.decode().split("\n")
+    lines = decode_utf8(head, where).split("\n")
     if lines[0] != FROM_LINE:
         raise StackError(f"{where}: first line is not the git-format 'From' line")
     try:

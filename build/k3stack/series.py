@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from k3stack import StackError
-from k3stack.patchfile import LayerPatch, load
+from k3stack.patchfile import LayerPatch, decode_utf8, load
 
 
 @dataclass
@@ -67,7 +67,7 @@ def read_series(patches_dir: Path) -> list[str]:
     if not series.is_file():
         raise StackError(f"{series} does not exist")
     entries = []
-    for line in series.read_text().splitlines():
+    for line in decode_utf8(series.read_bytes(), "patches/series").splitlines():
         entry = line.split("#", 1)[0].strip()
         if entry:
             entries.append(entry)

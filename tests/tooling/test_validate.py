@@ -117,3 +117,21 @@ def test_an_upstream_tests_path_spelled_otherwise_is_refused(
     patch.write_text(text.replace(" tests/test_model.py", f" {spelling}", 1))
     with pytest.raises(StackError, match="Upstream-Tests path .* is not a plain"):
         load_stack(synthetic.root)
+
+
+def test_a_patch_header_that_is_not_utf8_is_refused_naming_the_file(
+    synthetic: Synthetic,
+) -> None:
+    patch = synthetic.root / "patches" / "0002-layer-2.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"Layer 2.", b"caf\xe9", 1))
+    with pytest.raises(StackError, match="0002-layer-2.patch: line 6 is not UTF-8"):
+        load_stack(synthetic.root)
+
+
+def test_a_series_that_is_not_utf8_is_refused_naming_the_file(
+    synthetic: Synthetic,
+) -> None:
+    series = synthetic.root / "patches" / "series"
+    series.write_bytes(b"# caf\xe9\n" + series.read_bytes())
+    with pytest.raises(StackError, match="patches/series: line 1 is not UTF-8"):
+        load_stack(synthetic.root)
