@@ -18,13 +18,12 @@ from k3stack import StackError
 from k3stack.fetch import sha256_file
 from k3stack.gitutil import git, git_bytes
 from k3stack.pin import Pin
-from k3stack.series import Stack
+from k3stack.series import PACKAGE_ROOTS, Stack
 from k3stack.wheel import WheelChanges, build_wheel
 from k3stack.worktree import UPSTREAM_TAG, layer_tag
 
 BUILD_DIR = Path(__file__).resolve().parent.parent
 INSTALLER = Path(__file__).resolve().parent / "install.py"
-PACKAGE_ROOTS = ("vllm/",)
 LOCK_NAME = "stack.lock.json"
 STAGING_PREFIX = ".k3stack-build-"
 # What a build puts in the image context folder (replaced by the next build).

@@ -11,6 +11,11 @@ from pathlib import Path, PurePosixPath
 from k3stack import StackError
 from k3stack.patchfile import LayerPatch, decode_utf8, load
 
+# The sdist folders the wheel ships; a layer's diff changes files under them
+# or upstream tests (never packaged), nothing else (the build would drop it).
+PACKAGE_ROOTS = ("vllm/",)
+UPSTREAM_TESTS_ROOT = "tests/"
+
 
 @dataclass
 class Layer:
@@ -88,7 +93,8 @@ def load_stack(root: Path) -> Stack:
     Refused: a series entry without a file, a patch file not in the series, an
     entry listed twice, an overlay file claimed by two layers or by none, a
     claimed file that is missing, an overlay path outside ``vllm/``, an
-    ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled plainly.
+    ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled plainly, a diff
+    of a file that is neither packaged nor an upstream test.
     """
     patches_dir = root / "patches"
     entries = read_series(patches_dir)
@@ -115,6 +121,13 @@ def load_stack(root: Path) -> Stack:
                         f"path (write it as {PurePosixPath(rel).as_posix()!r}, "
                         "without '..')"
                     )
+        for fp in layer.patch.files:
+            if not fp.path.startswith((*PACKAGE_ROOTS, UPSTREAM_TESTS_ROOT)):
+                raise StackError(
+                    f"{layer.name}: the diff changes {fp.path}, which is neither "
+                    f"packaged ({', '.join(PACKAGE_ROOTS)}) nor an upstream test "
+                    f"({UPSTREAM_TESTS_ROOT}); refused: the build would leave it out"
+                )
     owner: dict[str, str] = {}
     overlay_dir = root / "overlay"
     for layer in layers:

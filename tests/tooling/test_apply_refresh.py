@@ -442,3 +442,16 @@ def test_refresh_refuses_a_series_shorter_than_the_tree_in_one_line(
     with pytest.raises(StackError, match="holds 3 layers, patches/series lists 2"):
         refresh(filled.stack(), filled.tree)
     assert snapshot(filled) == before
+
+
+def test_refresh_refuses_a_layer_that_changes_a_file_the_wheel_does_not_ship(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    pyproject = UPSTREAM_FILES["pyproject.toml"] + "dependencies = ['pyzmq>=99']\n"
+    filled.amend(1, {"pyproject.toml": pyproject})
+    message = "0001-layer-1.patch: the diff changes pyproject.toml, which is neither"
+    with pytest.raises(StackError, match=message):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
