@@ -16,7 +16,7 @@ from pathlib import Path
 
 from k3stack import StackError
 from k3stack.fetch import sha256_file
-from k3stack.gitutil import git, git_bytes
+from k3stack.gitutil import changes, git, git_bytes
 from k3stack.pin import Pin
 from k3stack.series import PACKAGE_ROOTS, Stack
 from k3stack.wheel import WheelChanges, build_wheel
@@ -42,26 +42,16 @@ class BuildResult:
 
 def tree_changes(tree: Path, rev: str) -> WheelChanges:
     """The package files that ``rev`` changes relative to pristine upstream."""
-    out = git(
-        tree,
-        "diff",
-        "--name-status",
-        "--no-renames",
-        UPSTREAM_TAG,
-        rev,
-        "--",
-        *PACKAGE_ROOTS,
-    )
     files: dict[str, bytes] = {}
     removed = set()
     added = set()
-    for line in out.splitlines():
-        status, path = line.split("\t", 1)
-        if status == "D":
+    for change in changes(tree, UPSTREAM_TAG, rev, *PACKAGE_ROOTS):
+        path = change.path
+        if change.status == "D":
             removed.add(path)
             continue
         files[path] = git_bytes(tree, "show", f"{rev}:{path}")
-        if status == "A":
+        if change.status == "A":
             added.add(path)
     return WheelChanges(files, frozenset(removed), frozenset(added))
 

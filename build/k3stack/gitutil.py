@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from k3stack import StackError
@@ -96,6 +97,28 @@ def git_bytes(
             f"{message[-1] if message else proc.returncode}"
         )
     return proc.stdout
+
+
+@dataclass(frozen=True)
+class Change:
+    """A file that differs between two commits."""
+
+    status: str  # A, M, D or T (type change)
+    path: str
+    old_mode: str  # git's octal modes: 000000 absent, 120000 a symlink
+    new_mode: str
+
+
+def changes(tree: Path, old: str, new: str, *pathspec: str) -> list[Change]:
+    """The files that differ between commits ``old`` and ``new``, under their
+    real names (``-z``: git quotes none, whatever characters they hold)."""
+    out = git(tree, "diff-tree", "-r", "-z", "--no-renames", old, new, "--", *pathspec)
+    fields = out.split("\0")
+    found = []
+    for meta, path in zip(fields[0:-1:2], fields[1::2], strict=True):
+        old_mode, new_mode, _, _, status = meta.removeprefix(":").split()
+        found.append(Change(status, path, old_mode, new_mode))
+    return found
 
 
 def is_work_tree(path: Path) -> bool:

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from k3stack import StackError
-from k3stack.gitutil import dirty_paths, git, git_bytes, is_work_tree
+from k3stack.gitutil import changes, dirty_paths, git, git_bytes, is_work_tree
 from k3stack.patchfile import LayerPatch, parse_commit_message, parse_diff
 from k3stack.series import Layer, Stack, load_stack
 from k3stack.worktree import (
@@ -27,7 +27,9 @@ from k3stack.worktree import (
 
 
 def _tree_files(tree: Path, rev: str) -> set[str]:
-    return set(git(tree, "ls-tree", "-r", "--name-only", rev).splitlines())
+    return set(
+        filter(None, git(tree, "ls-tree", "-r", "-z", "--name-only", rev).split("\0"))
+    )
 
 
 def read_layer(
@@ -35,13 +37,10 @@ def read_layer(
 ) -> tuple[LayerPatch, dict[str, bytes]]:
     """One layer commit as a patch plus the overlay files it owns."""
     parent = f"{commit}^"
-    changes = git(
-        tree, "diff-tree", "-r", "--no-renames", "--name-status", parent, commit
-    ).splitlines()
     upstream_paths: list[str] = []
     owned: dict[str, bytes] = {}
-    for line in changes:
-        status, path = line.split("\t", 1)
+    for change in changes(tree, parent, commit):
+        path = change.path
         if path in upstream:
             upstream_paths.append(path)
         elif path in lower_overlay:
@@ -53,7 +52,12 @@ def read_layer(
             raise StackError(
                 f"{where} adds {path}: only new files under vllm/ can be overlay"
             )
-        elif status != "D":
+        elif any(char.isspace() for char in path):
+            raise StackError(
+                f"{where} adds {path!r}: the Overlay field cannot list a name "
+                "with whitespace; refused: rename the file"
+            )
+        elif change.status != "D":
             owned[path] = git_bytes(tree, "show", f"{commit}:{path}")
     patch = parse_commit_message(git(tree, "log", "-1", "--format=%B", commit), where)
     diff = b""

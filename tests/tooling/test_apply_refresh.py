@@ -455,3 +455,24 @@ def test_refresh_refuses_a_layer_that_changes_a_file_the_wheel_does_not_ship(
     with pytest.raises(StackError, match=message):
         refresh(filled.stack(), filled.tree)
     assert snapshot(filled) == before
+
+
+def test_refresh_takes_a_new_file_with_a_non_ascii_name_under_that_name(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    filled.amend(3, {"vllm/café.py": "MENU = 1\n"})
+    assert refresh(filled.stack(), filled.tree)[0] == "overlay/vllm/café.py: added"
+    assert filled.stack().layer(3).patch.overlay == ["vllm/café.py"]
+    assert (filled.root / "overlay/vllm/café.py").read_text() == "MENU = 1\n"
+
+
+def test_refresh_refuses_a_new_file_whose_name_has_a_space_naming_it(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    filled.amend(3, {"vllm/my notes.py": "X = 1\n"})
+    with pytest.raises(StackError, match="adds 'vllm/my notes.py': the Overlay"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before

@@ -334,3 +334,18 @@ def test_site_refuses_a_dest_holding_something_else(tmp_path: Path) -> None:
     (dest / "vllm-1.0+stack.0123456789ab.dist-info").mkdir()
     check_site_dest(dest)  # a site an earlier `site` made: replaced
     assert (dest / "notes.txt").read_text() == "mine\n"
+
+
+def test_the_build_ships_a_new_file_with_a_non_ascii_name(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    patch = synthetic.root / "patches/0001-layer-1.patch"
+    patch.write_text(
+        patch.read_text().replace("Overlay:\n", "Overlay:\n vllm/café.py\n")
+    )
+    (synthetic.root / "overlay/vllm/café.py").write_text("MENU = 1\n")
+    synthetic.apply()
+    result = build_into(synthetic, tmp_path)
+    assert (result.context / "stack/site/vllm/café.py").read_text() == "MENU = 1\n"
+    with zipfile.ZipFile(result.wheel) as zf:
+        assert zf.read("vllm/café.py") == b"MENU = 1\n"
