@@ -25,6 +25,8 @@ from k3stack.worktree import (
     write_marker,
 )
 
+SYMLINK_MODE = "120000"
+
 
 def _tree_files(tree: Path, rev: str) -> set[str]:
     return set(
@@ -41,6 +43,11 @@ def read_layer(
     owned: dict[str, bytes] = {}
     for change in changes(tree, parent, commit):
         path = change.path
+        if change.new_mode == SYMLINK_MODE:
+            raise StackError(
+                f"{where} makes {path} a symlink; refused: the stack carries "
+                "regular files only (commit a copy or import the target instead)"
+            )
         if path in upstream:
             upstream_paths.append(path)
         elif path in lower_overlay:

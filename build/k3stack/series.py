@@ -92,9 +92,9 @@ def load_stack(root: Path) -> Stack:
 
     Refused: a series entry without a file, a patch file not in the series, an
     entry listed twice, an overlay file claimed by two layers or by none, a
-    claimed file that is missing, an overlay path outside ``vllm/``, an
-    ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled plainly, a diff
-    of a file that is neither packaged nor an upstream test.
+    claimed file that is missing or a symlink, an overlay path outside
+    ``vllm/``, an ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled
+    plainly, a diff of a file that is neither packaged nor an upstream test.
     """
     patches_dir = root / "patches"
     entries = read_series(patches_dir)
@@ -139,6 +139,11 @@ def load_stack(root: Path) -> Stack:
                     f"overlay file {rel} is claimed by {owner[rel]} and {layer.name}"
                 )
             owner[rel] = layer.name
+            if (overlay_dir / rel).is_symlink():
+                raise StackError(
+                    f"{layer.name}: overlay file {rel} is a symlink; refused: the "
+                    "stack carries regular files only"
+                )
             if not (overlay_dir / rel).is_file():
                 raise StackError(f"{layer.name}: overlay file {rel} does not exist")
     on_disk = sorted(

@@ -476,3 +476,18 @@ def test_refresh_refuses_a_new_file_whose_name_has_a_space_naming_it(
     with pytest.raises(StackError, match="adds 'vllm/my notes.py': the Overlay"):
         refresh(filled.stack(), filled.tree)
     assert snapshot(filled) == before
+
+
+def test_refresh_refuses_a_symlink_in_a_layer_commit_and_writes_nothing(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    git(filled.tree, "checkout", "-q", "layer-2")
+    (filled.tree / "vllm/alias.py").symlink_to("logits.py")
+    git(filled.tree, "add", "-A")
+    git(filled.tree, "commit", "-q", "--amend", "--no-edit")
+    git(filled.tree, "rebase", "-q", "--onto", "HEAD", "layer-2", "main")
+    with pytest.raises(StackError, match="makes vllm/alias.py a symlink; refused"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before

@@ -135,3 +135,12 @@ def test_a_series_that_is_not_utf8_is_refused_naming_the_file(
     series.write_bytes(b"# caf\xe9\n" + series.read_bytes())
     with pytest.raises(StackError, match="patches/series: line 1 is not UTF-8"):
         load_stack(synthetic.root)
+
+
+def test_a_claimed_overlay_file_that_is_a_symlink_is_refused(
+    filled: Synthetic,
+) -> None:
+    claim(filled, 2, "vllm/alias.py")
+    (filled.root / "overlay/vllm/alias.py").symlink_to("logits.py")
+    with pytest.raises(StackError, match="overlay file vllm/alias.py is a symlink"):
+        load_stack(filled.root)
