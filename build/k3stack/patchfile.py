@@ -225,10 +225,15 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
             hunk = None
         elif current is None:
             raise StackError(f"{where}: diff line {number} is outside a file diff")
-        elif hunk is None and line.startswith((b"new file mode", b"old mode")):
+        elif hunk is None and line.startswith(b"new file mode"):
             raise StackError(
-                f"{where}: {current.path}: new files and mode changes belong in "
-                "overlay/, not in the diff"
+                f"{where}: {current.path}: new files belong in overlay/, not in "
+                "the diff"
+            )
+        elif hunk is None and line.startswith(b"old mode"):
+            raise StackError(
+                f"{where}: {current.path}: a mode change; the stack carries no "
+                "mode changes of upstream files"
             )
         elif hunk is None and line.startswith(b"deleted file mode"):
             current.deleted = True

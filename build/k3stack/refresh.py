@@ -25,6 +25,7 @@ from k3stack.worktree import (
     write_marker,
 )
 
+EXECUTABLE_MODE = "100755"
 SYMLINK_MODE = "120000"
 
 
@@ -49,6 +50,12 @@ def read_layer(
                 "regular files only (commit a copy or import the target instead)"
             )
         if path in upstream:
+            if change.status != "D" and change.new_mode != change.old_mode:
+                raise StackError(
+                    f"{where} changes the mode of upstream file {path} "
+                    f"({change.old_mode} -> {change.new_mode}); refused: the stack "
+                    "carries no mode changes (the wheel keeps upstream's modes)"
+                )
             upstream_paths.append(path)
         elif path in lower_overlay:
             raise StackError(
@@ -65,6 +72,12 @@ def read_layer(
                 "with whitespace; refused: rename the file"
             )
         elif change.status != "D":
+            if change.new_mode == EXECUTABLE_MODE:
+                raise StackError(
+                    f"{where} makes {path} executable; refused: the wheel and the "
+                    "image install overlay files without it (git update-index "
+                    f"--chmod=-x {path}, then amend the layer)"
+                )
             owned[path] = git_bytes(tree, "show", f"{commit}:{path}")
     patch = parse_commit_message(git(tree, "log", "-1", "--format=%B", commit), where)
     diff = b""

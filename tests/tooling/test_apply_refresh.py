@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from conftest import UPSTREAM_FILES, Synthetic
@@ -23,6 +25,16 @@ def snapshot(syn: Synthetic) -> dict[str, bytes]:
         for p in sorted((syn.root / d).rglob("*"))
         if p.is_file()
     }
+
+
+def amend_with(syn: Synthetic, n: int, edit: Callable[[Path], None]) -> None:
+    """Change layer ``n``'s commit by ``edit(tree)``, every change staged
+    (modes and symlinks too, which ``Synthetic.amend`` does not write)."""
+    git(syn.tree, "checkout", "-q", f"layer-{n}")
+    edit(syn.tree)
+    git(syn.tree, "add", "-A")
+    git(syn.tree, "commit", "-q", "--amend", "--no-edit")
+    git(syn.tree, "rebase", "-q", "--onto", "HEAD", f"layer-{n}", "main")
 
 
 def test_apply_commits_pristine_then_one_commit_per_layer(filled: Synthetic) -> None:
@@ -483,11 +495,29 @@ def test_refresh_refuses_a_symlink_in_a_layer_commit_and_writes_nothing(
 ) -> None:
     filled.apply()
     before = snapshot(filled)
-    git(filled.tree, "checkout", "-q", "layer-2")
-    (filled.tree / "vllm/alias.py").symlink_to("logits.py")
-    git(filled.tree, "add", "-A")
-    git(filled.tree, "commit", "-q", "--amend", "--no-edit")
-    git(filled.tree, "rebase", "-q", "--onto", "HEAD", "layer-2", "main")
+    amend_with(filled, 2, lambda tree: (tree / "vllm/alias.py").symlink_to("logits.py"))
     with pytest.raises(StackError, match="makes vllm/alias.py a symlink; refused"):
         refresh(filled.stack(), filled.tree)
     assert snapshot(filled) == before
+
+
+def test_refresh_refuses_an_overlay_file_made_executable_and_writes_nothing(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    amend_with(filled, 2, lambda tree: (tree / "vllm/logits.py").chmod(0o755))
+    with pytest.raises(StackError, match="makes vllm/logits.py executable; refused"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
+
+
+def test_refresh_refuses_a_mode_change_of_an_upstream_file_naming_it(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    amend_with(filled, 2, lambda tree: (tree / "vllm/model.py").chmod(0o755))
+    with pytest.raises(StackError) as info:
+        refresh(filled.stack(), filled.tree)
+    assert "changes the mode of upstream file vllm/model.py" in str(info.value)
+    assert "overlay" not in str(info.value)

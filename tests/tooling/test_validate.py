@@ -10,6 +10,7 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
+from k3stack.patchfile import parse_diff
 from k3stack.series import check_suites, load_stack
 
 
@@ -144,3 +145,14 @@ def test_a_claimed_overlay_file_that_is_a_symlink_is_refused(
     (filled.root / "overlay/vllm/alias.py").symlink_to("logits.py")
     with pytest.raises(StackError, match="overlay file vllm/alias.py is a symlink"):
         load_stack(filled.root)
+
+
+def test_a_mode_change_in_a_patch_is_refused_as_such_not_sent_to_overlay() -> None:
+    diff = (
+        b"diff --git a/vllm/model.py b/vllm/model.py\n"
+        b"old mode 100644\nnew mode 100755\n"
+    )
+    with pytest.raises(StackError) as info:
+        parse_diff(diff, "0002-layer-2.patch")
+    assert "vllm/model.py: a mode change" in str(info.value)
+    assert "overlay" not in str(info.value)
