@@ -135,7 +135,9 @@ def parse_fields(text: str, where: str) -> dict[str, str]:
         if not line.strip():
             continue
         if line.startswith(" ") and name is not None:
-            cont = line[1:]
+            # Without trailing blanks, as git commit stores the line: a patch
+            # and the layer commit apply makes from it parse alike.
+            cont = line[1:].rstrip(" \t")
             fields[name] += "\n" + ("" if cont == "." else cont)
             continue
         key, sep, value = line.partition(":")

@@ -521,3 +521,16 @@ def test_refresh_refuses_a_mode_change_of_an_upstream_file_naming_it(
         refresh(filled.stack(), filled.tree)
     assert "changes the mode of upstream file vllm/model.py" in str(info.value)
     assert "overlay" not in str(info.value)
+
+
+def test_refresh_after_apply_keeps_a_description_line_with_trailing_blanks(
+    filled: Synthetic,
+) -> None:
+    patch = filled.root / "patches/0001-layer-1.patch"
+    text = patch.read_text().replace(
+        "Description: Layer 1.\n", "Description: Layer 1.\n More detail.  \t\n"
+    )
+    patch.write_text(text)
+    filled.apply()
+    assert refresh(filled.stack(), filled.tree) == []
+    assert patch.read_text() == text
