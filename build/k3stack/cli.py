@@ -46,9 +46,9 @@ def do_apply(
 
 def cmd_apply(args: argparse.Namespace) -> None:
     stack, pin = load_stack(ROOT), load_pin()
+    n = len(stack.upto(args.upto))  # an --upto out of range fetches nothing
     start = time.monotonic()
     do_apply(stack, pin, args.tree, args.upto, args.source)
-    n = len(stack.upto(args.upto))
     print(
         f"apply: {pin.name} {pin.version} + {n} layers in {args.tree} "
         f"({time.monotonic() - start:.1f} s); `git log --oneline` shows the stack"

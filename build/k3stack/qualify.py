@@ -429,6 +429,9 @@ def render_table(rows: list[Row]) -> str:
 
 
 def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
+    if not stack.layers:
+        raise StackError("qualify: patches/series lists no layers; nothing to qualify")
+    targets = [stack.layer(args.layer)] if args.layer is not None else stack.layers
     start = time.monotonic()
     work = stack.root / ".work" / "qualify"
     out: Path = args.out
@@ -436,7 +439,6 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     check_suites(stack)
     print(f"qualify: validate ok ({len(stack.layers)} layers)", flush=True)
-    targets = [stack.layer(args.layer)] if args.layer else stack.layers
     rows = [Row("tooling", applies="n/a", imports="n/a", upstream="n/a")]
     code, tooling = run_pytest(
         args.python,

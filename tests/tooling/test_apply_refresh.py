@@ -534,3 +534,20 @@ def test_refresh_after_apply_keeps_a_description_line_with_trailing_blanks(
     filled.apply()
     assert refresh(filled.stack(), filled.tree) == []
     assert patch.read_text() == text
+
+
+def test_apply_upto_out_of_range_is_refused_before_fetching(
+    synthetic: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from k3stack import cli
+
+    def no_fetch(*args: object) -> None:
+        raise AssertionError("fetched")
+
+    monkeypatch.setattr(cli, "ROOT", synthetic.root)
+    monkeypatch.setattr(cli, "load_pin", lambda: synthetic.pin)
+    monkeypatch.setattr(cli, "fetch", no_fetch)
+    assert cli.main(["apply", "--upto", "9", "--tree", str(synthetic.tree)]) == 1
+    assert capsys.readouterr().err == "error: --upto 9: the series has 3 layers\n"

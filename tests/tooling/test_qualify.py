@@ -7,6 +7,7 @@ The tests run with this interpreter, which has pytest and pytest-timeout.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import zipfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from k3stack.qualify import (
     baseline,
     check_imports,
     judge_suite,
+    qualify_command,
     qualify_layer,
 )
 from k3stack.refresh import refresh
@@ -218,3 +220,33 @@ def test_a_suite_that_ran_and_passed_whole_keeps_its_row() -> None:
     row = Row("3")
     judge_suite(row, 0, Outcomes({"t.a::one": "passed"}))
     assert row.ok and row.passed == 1 and not row.notes
+
+
+def qualify_args(tmp_path: Path, layer: int | None) -> argparse.Namespace:
+    return argparse.Namespace(layer=layer, python=PYTHON, out=tmp_path / "out")
+
+
+def refuse_running_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_run(*args: object) -> None:
+        raise AssertionError("qualify ran tests")
+
+    monkeypatch.setattr("k3stack.qualify.run_pytest", no_run)
+
+
+def test_qualify_refuses_layer_0_before_running_anything(
+    synthetic: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_running_tests(monkeypatch)
+    with pytest.raises(StackError, match="layer 0: the series has 3 layers"):
+        qualify_command(synthetic.stack(), synthetic.pin, qualify_args(tmp_path, 0))
+
+
+def test_qualify_refuses_an_empty_series_in_one_line(
+    synthetic: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_running_tests(monkeypatch)
+    for patch in (synthetic.root / "patches").glob("*.patch"):
+        patch.unlink()
+    (synthetic.root / "patches/series").write_text("# no layers yet\n")
+    with pytest.raises(StackError, match="patches/series lists no layers"):
+        qualify_command(synthetic.stack(), synthetic.pin, qualify_args(tmp_path, None))
