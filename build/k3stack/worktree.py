@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -33,15 +34,30 @@ def read_marker(tree: Path) -> dict:
     path = tree / ".git" / MARKER
     if not path.is_file():
         raise StackError(f"{tree} was not made by `nox -s apply`")
-    return json.loads(path.read_text())
+    try:
+        marker = json.loads(path.read_bytes())
+    except ValueError:
+        marker = None
+    if not (
+        isinstance(marker, dict)
+        and isinstance(marker.get("head"), str)
+        and isinstance(marker.get("layers"), int)
+    ):
+        raise StackError(
+            f"{path} is empty or corrupt; refused: {tree} may hold work, move it "
+            "aside and run `nox -s apply`"
+        )
+    return marker
 
 
 def write_marker(tree: Path, layers: int, digests: list[str]) -> None:
-    """Record HEAD and each layer's digest as this tree holds them now."""
+    """Record HEAD and each layer's digest as this tree holds them now
+    (written beside and moved into place: never half a marker)."""
     head = git(tree, "rev-parse", "HEAD")
-    (tree / ".git" / MARKER).write_text(
-        json.dumps({"head": head, "layers": layers, "digests": digests})
-    )
+    path = tree / ".git" / MARKER
+    partial = path.with_name(f"{MARKER}.partial")
+    partial.write_text(json.dumps({"head": head, "layers": layers, "digests": digests}))
+    os.replace(partial, path)
 
 
 def layer_digest(patch: LayerPatch, overlay: dict[str, bytes]) -> str:
@@ -203,22 +219,25 @@ def build_tree(
     """
     layers = stack.upto(upto)
     guard_existing(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        lay_out_pristine(staging)
-        git(staging, "init", "-q", "-b", "main")
-        commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
-        git(staging, "tag", UPSTREAM_TAG)
-        for layer in layers:
-            apply_layer(staging, stack, layer)
-            date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
-            commit_all(staging, layer.patch.commit_message(), date=date)
-            git(staging, "tag", layer_tag(layer.number))
-        write_marker(staging, len(layers), digests_of(stack, len(layers)))
-        if dest.exists():
-            shutil.rmtree(dest)
-        staging.rename(dest)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            lay_out_pristine(staging)
+            git(staging, "init", "-q", "-b", "main")
+            commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
+            git(staging, "tag", UPSTREAM_TAG)
+            for layer in layers:
+                apply_layer(staging, stack, layer)
+                date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
+                commit_all(staging, layer.patch.commit_message(), date=date)
+                git(staging, "tag", layer_tag(layer.number))
+            write_marker(staging, len(layers), digests_of(stack, len(layers)))
+            if dest.exists():
+                shutil.rmtree(dest)
+            staging.rename(dest)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+    except OSError as e:
+        raise StackError(f"apply into {dest} failed: {e}") from e

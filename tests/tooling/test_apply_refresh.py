@@ -15,7 +15,7 @@ from k3stack import StackError
 from k3stack.gitutil import git
 from k3stack.patchfile import HunkMismatch, apply_exact, parse_diff
 from k3stack.refresh import refresh
-from k3stack.worktree import current_marker
+from k3stack.worktree import current_marker, write_marker
 
 
 def snapshot(syn: Synthetic) -> dict[str, bytes]:
@@ -551,3 +551,41 @@ def test_apply_upto_out_of_range_is_refused_before_fetching(
     monkeypatch.setattr(cli, "fetch", no_fetch)
     assert cli.main(["apply", "--upto", "9", "--tree", str(synthetic.tree)]) == 1
     assert capsys.readouterr().err == "error: --upto 9: the series has 3 layers\n"
+
+
+def test_apply_refuses_a_tree_whose_parent_is_a_file_in_one_line(
+    filled: Synthetic,
+) -> None:
+    parent = filled.tree.parent / "a-file"
+    parent.write_text("not a folder\n")
+    filled.tree = parent / "tree"
+    with pytest.raises(StackError, match=f"apply into {filled.tree} failed: .*"):
+        filled.apply()
+    assert parent.read_text() == "not a folder\n"
+
+
+def test_apply_refuses_a_tree_with_an_empty_marker_and_keeps_it(
+    filled: Synthetic,
+) -> None:
+    (filled.tree / ".git/k3stack-applied.json").write_text("")
+    head = git(filled.tree, "rev-parse", "HEAD")
+    with pytest.raises(StackError, match="k3stack-applied.json is empty or corrupt"):
+        filled.apply()
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+
+
+def test_an_interrupted_marker_write_leaves_the_previous_marker_whole(
+    filled: Synthetic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = filled.tree / ".git/k3stack-applied.json"
+    before = marker.read_bytes()
+
+    def torn(path: Path, text: str) -> None:
+        with path.open("w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError, match="No space left"):
+        write_marker(filled.tree, 3, ["0" * 64] * 3)
+    assert marker.read_bytes() == before
