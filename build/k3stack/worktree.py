@@ -9,6 +9,8 @@ commits a maintainer made since are never thrown away.
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -23,6 +25,8 @@ from k3stack.patchfile import HunkMismatch, LayerPatch, apply_exact
 from k3stack.series import Layer, Stack
 
 MARKER = "k3stack-applied.json"
+# apply builds the tree in ``.<tree name><STAGING_MARK><random>`` beside it.
+STAGING_MARK = ".k3stack-apply-"
 UPSTREAM_TAG = "upstream"
 
 
@@ -215,13 +219,16 @@ def build_tree(
 
     The tree is built beside ``dest`` and moved into place only when every
     layer applied; an existing ``dest`` is replaced only if it holds nothing
-    that the patches do not.
+    that the patches do not. What a killed apply was building there goes.
     """
     layers = stack.upto(upto)
     guard_existing(dest)
+    prefix = f".{dest.name}{STAGING_MARK}"
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        remove_stale_staging(dest.parent, prefix)
+        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+        lock = _lock(staging)
         try:
             lay_out_pristine(staging)
             git(staging, "init", "-q", "-b", "main")
@@ -239,5 +246,35 @@ def build_tree(
         finally:
             if staging.exists():
                 shutil.rmtree(staging)
+            os.close(lock)
     except OSError as e:
         raise StackError(f"apply into {dest} failed: {e}") from e
+
+
+def _lock(folder: Path) -> int:
+    """An open descriptor of ``folder`` holding an exclusive lock on it
+    (released when closed or when the process dies, however it dies);
+    ``BlockingIOError`` if another one holds it."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_stale_staging(parent: Path, prefix: str) -> None:
+    """Remove the staging trees that killed applies left in ``parent``: the
+    folders named ``prefix*`` that no running apply holds locked."""
+    for stale in parent.glob(f"{glob.escape(prefix)}*"):
+        if stale.is_symlink() or not stale.is_dir():
+            continue
+        try:
+            fd = _lock(stale)
+        except BlockingIOError:
+            continue  # an apply building it now
+        try:
+            shutil.rmtree(stale, ignore_errors=True)
+        finally:
+            os.close(fd)

@@ -589,3 +589,33 @@ def test_an_interrupted_marker_write_leaves_the_previous_marker_whole(
     with pytest.raises(OSError, match="No space left"):
         write_marker(filled.tree, 3, ["0" * 64] * 3)
     assert marker.read_bytes() == before
+
+
+def killed_apply_staging(syn: Synthetic) -> Path:
+    """What SIGKILL during an apply leaves beside the tree: its staging tree."""
+    staging = syn.tree.parent / f".{syn.tree.name}.k3stack-apply-killed"
+    (staging / "vllm").mkdir(parents=True)
+    (staging / "vllm/envs.py").write_text("half laid out\n")
+    return staging
+
+
+def test_apply_removes_the_staging_tree_a_killed_apply_left(filled: Synthetic) -> None:
+    staging = killed_apply_staging(filled)
+    filled.apply()
+    assert not staging.exists()
+
+
+def test_apply_keeps_a_staging_tree_that_a_running_apply_holds(
+    filled: Synthetic,
+) -> None:
+    import fcntl
+    import os
+
+    staging = killed_apply_staging(filled)
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        filled.apply()
+    finally:
+        os.close(fd)
+    assert (staging / "vllm/envs.py").read_text() == "half laid out\n"
