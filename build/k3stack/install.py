@@ -8,7 +8,8 @@ Standard library only: this file runs inside the production image build
 The payload folder holds ``stack.lock.json`` and ``site/`` (changed files and
 the patched wheel's dist-info, laid out relative to site-packages). Every
 payload file is checked against the lock before anything is written; files are
-replaced atomically; afterwards every file the new RECORD names is verified.
+replaced atomically; afterwards the install is verified against the new RECORD
+(``verify`` states the rule).
 """
 
 from __future__ import annotations
@@ -92,28 +93,56 @@ def install(payload: Path, site: Path) -> None:
 
 
 def verify(payload: Path, site: Path) -> list[str]:
-    """Every package file of the payload's RECORD (checked against the lock),
-    checked on disk under ``site``; returns the problems found."""
+    """Check the install under ``site`` against the payload; return the
+    problems found.
+
+    Every file the payload's RECORD (checked against the lock) lists must be
+    on disk with its RECORD hash, the RECORD itself as the lock has it, and
+    the payload's removed files must be gone. The folders the RECORD owns
+    (the package, ``vllm/``, and the dist-info) may hold nothing else: a file
+    there that the RECORD does not list is a problem, bytecode caches
+    (``__pycache__/*.pyc``) aside, which imports and compiling installers
+    write and Python uses only beside their source. The base image's vllm
+    files are no exception: it installed the upstream wheel this RECORD was
+    made from, so the RECORD lists every one of them.
+    """
     lock = json.loads((payload / "stack.lock.json").read_text())
     spec = lock["payload"]
     check_payload(payload, lock)
     record = payload / "site" / spec["dist_info"] / "RECORD"
     problems = []
+    listed = set()
     for row in csv.reader(io.StringIO(record.read_text())):
         if not row:
             continue
         rel, digest, size = row
-        if not digest or rel.startswith("../"):
+        if rel.startswith("../"):
             continue
+        listed.add(rel)
         path = site / rel
         if not path.is_file():
             problems.append(f"{rel}: missing")
+        elif not digest:
+            if rel in spec["files"] and _sha256(path) != spec["files"][rel]:
+                problems.append(f"{rel}: content differs from the lock")
         elif path.stat().st_size != int(size) or _record_sha256(path) != digest:
             problems.append(f"{rel}: content differs from RECORD")
+    for top in sorted({rel.split("/", 1)[0] for rel in listed}):
+        if (site / top).is_dir():
+            for path in sorted((site / top).rglob("*")):
+                rel = path.relative_to(site).as_posix()
+                if path.is_dir() and not path.is_symlink():
+                    continue
+                if rel not in listed and not _bytecode_cache(path):
+                    problems.append(f"{rel}: not in RECORD")
     for rel in spec["removed"]:
         if (site / rel).exists():
             problems.append(f"{rel}: should have been removed")
     return problems
+
+
+def _bytecode_cache(path: Path) -> bool:
+    return path.parent.name == "__pycache__" and path.suffix == ".pyc"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,13 +101,21 @@ def payload_and_upstream_site(syn: Synthetic, tmp_path: Path) -> tuple[Path, Pat
     return result.context / "stack", site
 
 
+def installed(syn: Synthetic, tmp_path: Path) -> tuple[Path, Path]:
+    """The payload and a site where the installer installed it."""
+    from k3stack import install
+
+    payload, site = payload_and_upstream_site(syn, tmp_path)
+    install.install(payload, site)
+    return payload, site
+
+
 def test_the_installer_installs_and_its_self_check_passes(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     from k3stack import install
 
-    payload, site = payload_and_upstream_site(filled, tmp_path)
-    install.install(payload, site)
+    payload, site = installed(filled, tmp_path)
     assert install.verify(payload, site) == []
     assert (site / "vllm/logits.py").read_text() == "TOPK = 64\n"
     assert not (site / "vllm-1.0.dist-info").exists()
@@ -118,8 +126,7 @@ def test_the_self_check_finds_a_file_that_differs_from_the_lock(
 ) -> None:
     from k3stack import install
 
-    payload, site = payload_and_upstream_site(filled, tmp_path)
-    install.install(payload, site)
+    payload, site = installed(filled, tmp_path)
     (site / "vllm/_C.abi3.so").write_bytes(b"not the upstream binary")
     assert install.verify(payload, site) == [
         "vllm/_C.abi3.so: content differs from RECORD"
@@ -349,3 +356,38 @@ def test_the_build_ships_a_new_file_with_a_non_ascii_name(
     assert (result.context / "stack/site/vllm/café.py").read_text() == "MENU = 1\n"
     with zipfile.ZipFile(result.wheel) as zf:
         assert zf.read("vllm/café.py") == b"MENU = 1\n"
+
+
+def test_the_self_check_finds_a_module_the_record_does_not_list(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = installed(filled, tmp_path)
+    (site / "vllm/remote/backdoor.py").write_text("import os\n")
+    assert install.verify(payload, site) == ["vllm/remote/backdoor.py: not in RECORD"]
+
+
+def test_the_self_check_finds_an_installed_record_that_differs_from_the_lock(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = installed(filled, tmp_path)
+    (record,) = site.glob("vllm-1.0+stack.*.dist-info/RECORD")
+    record.write_text(record.read_text() + "vllm/backdoor.py,,\n")
+    assert install.verify(payload, site) == [
+        f"{record.relative_to(site).as_posix()}: content differs from the lock"
+    ]
+
+
+def test_the_self_check_accepts_bytecode_caches_beside_their_sources(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = installed(filled, tmp_path)
+    cache = site / "vllm/__pycache__/model.cpython-312.pyc"
+    cache.parent.mkdir()
+    cache.write_bytes(b"bytecode")
+    assert install.verify(payload, site) == []
