@@ -116,8 +116,8 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     """Write the work tree's layers back; return one line per changed file.
 
     Refused when the work tree or the checkout's patches/ and overlay/ hold
-    uncommitted edits, or when the commits on top of upstream are not one per
-    applied layer.
+    uncommitted edits, when HEAD does not descend from the pristine commit, or
+    when the commits on top of it are not one per applied layer.
     """
     if not is_work_tree(tree):
         raise StackError(f"{tree} is not a work tree; run `nox -s apply` first")
@@ -130,16 +130,13 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
             "them into their layer first (git commit --fixup, rebase --autosquash; "
             "`git add --force` for files its .gitignore matches)"
         )
+    _refuse_rewritten_pristine(tree)
     commits = git(tree, "rev-list", "--reverse", f"{UPSTREAM_TAG}..HEAD").splitlines()
     if git(tree, "rev-list", "--merges", f"{UPSTREAM_TAG}..HEAD"):
         raise StackError(f"{tree}: merge commits on top of upstream; refused")
     applied = marker["layers"]
     if len(commits) != applied:
-        raise StackError(
-            f"{tree} has {len(commits)} commits on top of upstream for {applied} "
-            "layers: squash extra commits into their layers first "
-            f"(git rebase -i --autosquash {UPSTREAM_TAG})"
-        )
+        raise StackError(_count_mismatch(tree, len(commits), applied))
     upstream = _tree_files(tree, UPSTREAM_TAG)
     applied_digests = marker.get("digests") or [None] * applied
     pending = []
@@ -210,6 +207,41 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         ],
     )
     return changed
+
+
+def _refuse_rewritten_pristine(tree: Path) -> None:
+    """``StackError`` unless HEAD descends from the pristine commit apply made."""
+    pristine = git(tree, "rev-parse", f"{UPSTREAM_TAG}^{{commit}}")
+    if git(tree, "merge-base", pristine, "HEAD", check=False) != pristine:
+        roots = git(tree, "rev-list", "--max-parents=0", "HEAD").split()
+        root = roots[0][:12] if roots else "ROOT"
+        raise StackError(
+            f"{tree}: HEAD does not descend from the pristine upstream commit (tag "
+            f"{UPSTREAM_TAG}): it was rewritten; refused: edits to upstream belong "
+            f"in a layer commit (`git diff {UPSTREAM_TAG} {root}` shows them; "
+            f"`git rebase --onto {UPSTREAM_TAG} {root}` puts the layers back on "
+            "the pristine commit)"
+        )
+
+
+def _count_mismatch(tree: Path, count: int, applied: int) -> str:
+    """Why ``count`` commits on top of upstream are not one per applied
+    layer, and what to do."""
+    where = f"{tree} has {count} commits on top of upstream for {applied} layers"
+    if not git(tree, "symbolic-ref", "-q", "HEAD", check=False):
+        return (
+            f"{where}: HEAD is detached; refused: return to branch main "
+            "(git checkout main, or finish the rebase in progress)"
+        )
+    if count < applied:
+        return (
+            f"{where}: layer commits are missing; refused: restore them (git "
+            "reflog) or drop the layers from patches/series and apply again"
+        )
+    return (
+        f"{where}: squash extra commits into their layers first "
+        f"(git rebase -i --autosquash {UPSTREAM_TAG})"
+    )
 
 
 def _write_back(

@@ -619,3 +619,37 @@ def test_apply_keeps_a_staging_tree_that_a_running_apply_holds(
     finally:
         os.close(fd)
     assert (staging / "vllm/envs.py").read_text() == "half laid out\n"
+
+
+def test_refresh_on_a_detached_head_says_so_rather_than_squash(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    git(filled.tree, "checkout", "-q", "layer-2")
+    with pytest.raises(StackError) as info:
+        refresh(filled.stack(), filled.tree)
+    assert "HEAD is detached; refused: return to branch main" in str(info.value)
+    assert "squash" not in str(info.value)
+
+
+def test_refresh_with_a_layer_commit_dropped_says_it_is_missing(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    git(filled.tree, "reset", "-q", "--hard", "layer-2")
+    with pytest.raises(StackError, match="2 commits .* for 3 layers: layer commits"):
+        refresh(filled.stack(), filled.tree)
+
+
+def test_refresh_after_the_pristine_commit_was_rewritten_says_so(
+    filled: Synthetic,
+) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    git(filled.tree, "checkout", "-q", "upstream")
+    (filled.tree / "pyproject.toml").write_text("[project]\nname = 'edited'\n")
+    git(filled.tree, "commit", "-qa", "--amend", "--no-edit")
+    git(filled.tree, "rebase", "-q", "--onto", "HEAD", "upstream", "main")
+    with pytest.raises(StackError, match="does not descend from the pristine"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
