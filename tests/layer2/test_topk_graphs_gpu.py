@@ -82,17 +82,19 @@ def test_a_new_host_buffer_drops_the_graphs() -> None:
     assert bytes(other.numpy()) == _eager(logits, 16)
 
 
-def test_at_most_max_graphs_are_kept_and_a_dropped_one_comes_back() -> None:
-    graphs, logits = TopkGraphs(), _logits(1, seed=4)
-    host = _pinned(K * (TopkGraphs.MAX_GRAPHS + 1) * 6)
-    for k in range(1, TopkGraphs.MAX_GRAPHS + 2):
+def test_keys_beyond_the_bound_stay_eager_and_evict_nothing() -> None:
+    graphs, logits = TopkGraphs(max_graphs=2), _logits(1, seed=4)
+    host = _pinned(K * 3 * 6)
+    for k in (1, 2, 3):
         graphs.write(logits, k, host[: K * k * 6])
-        assert graphs.write(logits, k, host[: K * k * 6])
-    assert len(graphs) == TopkGraphs.MAX_GRAPHS
-    # k = 1, the least recently used, was dropped; it is captured again.
-    assert graphs.write(logits, 1, host[: K * 6])
+    assert [graphs.write(logits, k, host[: K * k * 6]) for k in (1, 2, 3)] == [
+        True,
+        True,
+        False,
+    ]
+    assert len(graphs) == 2
+    assert graphs.write(logits, 1, host[: K * 6])  # still captured
     assert bytes(host[: K * 6].numpy()) == _eager(logits, 1)
-    assert len(graphs) == TopkGraphs.MAX_GRAPHS
 
 
 def test_the_reply_frames_of_repeated_proposes_are_the_eager_encoders() -> None:

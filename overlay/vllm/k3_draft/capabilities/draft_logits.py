@@ -17,7 +17,6 @@ probabilistic DSpark draft.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,15 +59,16 @@ class TopkGraphs:
     the second time it is seen: engines with CUDA graphs return their logits
     in the same buffer every step, and an engine whose buffer moves every
     step is never captured (it stays on the eager path). At most
-    ``MAX_GRAPHS`` graphs are kept (least recently used first out), in one
-    memory pool; a new host buffer drops them all. A failed capture turns
-    the graphs off for good, with one warning.
+    ``max_graphs`` graphs are captured, in one memory pool, and none is
+    dropped to make room (a capture synchronises the device and costs more
+    than the eager encode: keys beyond the bound stay eager rather than
+    evict each other); a new host buffer drops them all. A failed capture
+    turns the graphs off for good, with one warning.
     """
 
-    MAX_GRAPHS = 16
-
-    def __init__(self) -> None:
-        self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
+    def __init__(self, max_graphs: int = 256) -> None:
+        self.max_graphs = max_graphs
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._seen: set[Hashable] = set()
         self._host_ptr = 0
         self._pool: Any = None
@@ -98,8 +98,10 @@ class TopkGraphs:
         )
         graph = self._graphs.get(key)
         if graph is None:
+            if len(self._graphs) >= self.max_graphs:
+                return False
             if key not in self._seen:
-                if len(self._seen) >= 4 * self.MAX_GRAPHS:
+                if len(self._seen) >= 4 * self.max_graphs:
                     self._seen.clear()
                 self._seen.add(key)
                 return False
@@ -107,10 +109,6 @@ class TopkGraphs:
             if graph is None:
                 return False
             self._graphs[key] = graph
-            if len(self._graphs) > self.MAX_GRAPHS:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
         graph.replay()
         torch.cuda.current_stream(logits.device).synchronize()
         return True
