@@ -316,6 +316,25 @@ def test_rpc_address_in_use_is_refused_in_one_line(caplog):
     assert "Traceback" not in caplog.text
 
 
+def test_an_ipc_path_naming_an_existing_file_is_refused(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("kept\n")
+    err = refused(["--address", f"ipc://{notes}"], capsys)
+    assert f"ipc path {notes} exists and is not a socket" in err
+
+
+def test_an_ipc_path_in_a_missing_directory_is_refused(tmp_path, capsys):
+    path = tmp_path / "gone" / "draft.ipc"
+    err = refused(["--address", f"ipc://{path}"], capsys)
+    assert f"ipc path {path}: no directory {path.parent}" in err
+
+
+def test_an_ipc_path_too_long_for_a_unix_socket_address_is_refused(tmp_path, capsys):
+    path = tmp_path / ("x" * 120)
+    err = refused(["--address", f"ipc://{path}"], capsys)
+    assert "more than the 107 a Unix socket address holds" in err
+
+
 def test_curve_key_gone_before_bind_is_refused_in_one_line(tmp_path, caplog):
     (tmp_path / "clients").mkdir()
     _, secret = zmq.auth.create_certificates(str(tmp_path), "server")

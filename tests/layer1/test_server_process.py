@@ -28,6 +28,7 @@ from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft import protocol
 from vllm.k3_draft.engine import DraftLimits
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.security import BindRefused
 from vllm.k3_draft.server import DraftServer
 
 WIDTH = DEFAULT_OPTIONS["context_width"]
@@ -195,6 +196,18 @@ def test_a_client_that_stops_taking_its_reply_does_not_stall_the_server():
         transport.close()
         context.term()
     assert not served.is_alive()
+
+
+def test_an_ipc_path_that_became_a_file_after_parsing_is_not_bound(tmp_path):
+    notes = tmp_path / "notes.txt"
+    transport = RpcTransport(_LargeReplyServer(), f"ipc://{notes}", None)
+    notes.write_text("kept\n")
+    try:
+        with pytest.raises(BindRefused, match="exists and is not a socket"):
+            transport.bind()
+    finally:
+        transport.close()
+    assert notes.read_text() == "kept\n"
 
 
 def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):

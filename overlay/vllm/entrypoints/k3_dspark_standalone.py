@@ -41,7 +41,13 @@ from vllm.k3_draft.engine import (
 from vllm.k3_draft.log import configure_process_logging, init_logger
 from vllm.k3_draft.protocol import load_capability_plugins
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
-from vllm.k3_draft.security import BindRefused, CurveConfig, check_bind, warn_if_unsafe
+from vllm.k3_draft.security import (
+    BindRefused,
+    CurveConfig,
+    check_bind,
+    check_ipc_path,
+    warn_if_unsafe,
+)
 from vllm.k3_draft.server import DraftServer
 from vllm.k3_draft.status import StatusServer, StatusState
 
@@ -258,6 +264,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(str(exc))
     try:
         check_bind(args.address, args.curve, args.allow_unsafe_remote_rpc)
+        check_ipc_path(args.address)
     except BindRefused as exc:
         parser.error(str(exc))
     if args.enable_cuda_graph and args.device.type != "cuda":

@@ -16,6 +16,8 @@
   without CURVE is always refused.
 * Keys given for a local bind enable CURVE there too.
 * Other transports are refused.
+* An ipc path must fit a Unix socket address, lie in an existing directory and
+  not name anything but a socket (ZeroMQ unlinks the path before it binds).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket as _socket
+import stat
 from dataclasses import dataclass
 
 import zmq
@@ -123,6 +126,48 @@ def bind_scope(address: str) -> str:
     if ip.is_unspecified or (mapped is not None and mapped.is_unspecified):
         return "wildcard"
     return "local" if ip.is_loopback else "remote"
+
+
+def ipc_path(address: str) -> str | None:
+    """The socket file an ``ipc://`` address binds; None for other transports,
+    for ``ipc://*`` (a path of ZeroMQ's choosing) and for Linux's abstract
+    names (``ipc://@name``), which have no file."""
+    transport, _, path = address.partition("://")
+    if transport != "ipc" or path == "*" or path.startswith("@"):
+        return None
+    return path
+
+
+# The longest path a Unix socket address holds on Linux (108 bytes of
+# sun_path, the terminating NUL included).
+IPC_PATH_MAX_BYTES = 107
+
+
+def check_ipc_path(address: str) -> None:
+    """Refuse an ipc address that cannot be bound, or whose bind would delete
+    a file: a path longer than a Unix socket address holds, in a directory
+    that does not exist, or naming an existing file other than a socket.
+    Other addresses pass. Raises ``BindRefused``."""
+    path = ipc_path(address)
+    if path is None:
+        return
+    size = len(os.fsencode(path))
+    if size > IPC_PATH_MAX_BYTES:
+        raise BindRefused(
+            f"ipc path {path} is {size} bytes, more than the "
+            f"{IPC_PATH_MAX_BYTES} a Unix socket address holds"
+        )
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        raise BindRefused(f"ipc path {path}: no directory {directory}")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise BindRefused(f"ipc path {path}: {exc.strerror}") from exc
+    if not stat.S_ISSOCK(mode):
+        raise BindRefused(f"ipc path {path} exists and is not a socket")
 
 
 def needs_ipv6(address: str) -> bool:
