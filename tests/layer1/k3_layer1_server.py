@@ -98,12 +98,17 @@ class DraftServerProcess:
             *cli_args(options),
         ]
 
-    def start(self) -> DraftServerProcess:
-        """Start and wait until ``/readyz`` answers 200."""
+    def launch(self) -> subprocess.Popen[bytes]:
+        """Start the process, logging to ``log_path``; do not wait."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT
             )
+        return self.proc
+
+    def start(self) -> DraftServerProcess:
+        """Start and wait until ``/readyz`` answers 200."""
+        self.proc = self.launch()
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -208,6 +209,35 @@ def test_an_ipc_path_that_became_a_file_after_parsing_is_not_bound(tmp_path):
     finally:
         transport.close()
     assert notes.read_text() == "kept\n"
+
+
+def test_a_second_server_on_a_served_ipc_path_is_refused_in_one_line(
+    draft_server_factory,
+):
+    first = draft_server_factory()
+    second = draft_server_factory(address=first.address, start=False)
+    code = second.launch().wait(timeout=120)
+    log = second.log_tail()
+    assert code == 1, log
+    assert (
+        f"Refusing to serve: cannot bind {first.address}: Address already in use"
+    ) in log
+    assert "Traceback" not in log
+    client = RawClient(first.address)
+    server_id = client.call("PING")[0]["server_id"]
+    client.close()
+    assert server_id == json.loads(first.http("/v1/status")[1])["server_id"]
+
+
+def test_a_stale_ipc_socket_file_is_bound_over(tmp_path):
+    path = tmp_path / "draft.ipc"
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(path))  # left behind: nobody listens on it
+    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
+    try:
+        transport.bind()
+    finally:
+        transport.close()
 
 
 def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):

@@ -28,7 +28,7 @@ from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.security import (
     CurveConfig,
     check_bind,
-    check_ipc_path,
+    claim_ipc_path,
     make_curve_server,
     needs_ipv6,
     secure_socket,
@@ -74,8 +74,7 @@ class RpcTransport:
         return max(rows, self.server.max_header_bytes) + _FRAME_SLACK_BYTES
 
     def bind(self) -> None:
-        # Checked at parse time too, but loading may have taken minutes.
-        check_ipc_path(self.address)
+        claim_ipc_path(self.address)
         socket = self._socket()
         try:
             self.authenticator = secure_socket(self.context, socket, self.curve)

@@ -17,7 +17,8 @@
 * Keys given for a local bind enable CURVE there too.
 * Other transports are refused.
 * An ipc path must fit a Unix socket address, lie in an existing directory and
-  not name anything but a socket (ZeroMQ unlinks the path before it binds).
+  not name anything but a socket (ZeroMQ unlinks the path before it binds);
+  at bind time, a socket on which a server accepts connections is in use.
 """
 
 from __future__ import annotations
@@ -168,6 +169,24 @@ def check_ipc_path(address: str) -> None:
         raise BindRefused(f"ipc path {path}: {exc.strerror}") from exc
     if not stat.S_ISSOCK(mode):
         raise BindRefused(f"ipc path {path} exists and is not a socket")
+
+
+def claim_ipc_path(address: str) -> None:
+    """Just before binding ``address``: ``check_ipc_path`` again (loading may
+    have taken minutes), then refuse a socket on which a server accepts
+    connections with ``zmq.ZMQError`` EADDRINUSE, as a TCP port in use is:
+    ZeroMQ would unlink it and bind over it, taking that server's clients. A
+    socket file nobody listens on (its server died) may be bound over."""
+    check_ipc_path(address)
+    path = ipc_path(address)
+    if path is None:
+        return
+    with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return
+    raise zmq.ZMQError(zmq.EADDRINUSE)
 
 
 def needs_ipv6(address: str) -> bool:
