@@ -240,6 +240,30 @@ def test_a_stale_ipc_socket_file_is_bound_over(tmp_path):
         transport.close()
 
 
+def test_a_stopped_server_removes_its_ipc_socket_file(draft_server_factory):
+    server = draft_server_factory()
+    path = server.address.removeprefix("ipc://")
+    assert os.path.exists(path)
+    assert server.stop() == 0
+    assert not os.path.exists(path)
+
+
+def test_a_stopped_server_leaves_the_socket_file_of_a_later_bind(tmp_path):
+    path = tmp_path / "draft.ipc"
+    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
+    transport.bind()
+    context = zmq.Context()
+    later = context.socket(zmq.REP)
+    try:
+        later.bind(f"ipc://{path}")  # ZeroMQ unlinks the path and binds again
+        inode = path.stat().st_ino
+        transport.close()
+        assert path.stat().st_ino == inode
+    finally:
+        later.close(linger=0)
+        context.term()
+
+
 def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):
     # A draft large enough that loading takes a few seconds on CPU.
     server = DraftServerProcess(

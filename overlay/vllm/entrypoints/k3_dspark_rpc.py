@@ -12,11 +12,14 @@ bound again (the other clients' requests in flight are lost with it: their
 clients time out and fail closed), so one stalled verifier cannot stop the
 server from answering or from shutting down. A ZeroMQ failure ends ``serve``
 with the error: the process then stops instead of reporting ready over a dead
-socket.
+socket. ``close`` removes the ipc socket file bound, unless another server has
+bound the path since.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +32,7 @@ from vllm.k3_draft.security import (
     CurveConfig,
     check_bind,
     claim_ipc_path,
+    ipc_path,
     make_curve_server,
     needs_ipv6,
     secure_socket,
@@ -64,6 +68,8 @@ class RpcTransport:
         self.context = zmq.Context()
         self.socket: zmq.Socket | None = None
         self.authenticator: ThreadAuthenticator | None = None
+        # The ipc socket file bound and its (st_dev, st_ino).
+        self._socket_file: tuple[str, tuple[int, int]] | None = None
 
     def max_frame_bytes(self) -> int:
         """Largest message part accepted (ZMQ_MAXMSGSIZE): the context-row frame
@@ -83,12 +89,20 @@ class RpcTransport:
             # An open socket would keep close()'s context.term() waiting.
             socket.close(linger=0)
             raise
-        self.socket = socket
+        self._bound(socket)
         logger.info(
             "Draft RPC serving on %s%s",
             socket.getsockopt_string(zmq.LAST_ENDPOINT),
             " (CURVE)" if self.curve else "",
         )
+
+    def _bound(self, socket: zmq.Socket) -> None:
+        """Serve on ``socket``, just bound; note its ipc socket file."""
+        self.socket = socket
+        path = ipc_path(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        if path is not None:
+            status = os.stat(path)
+            self._socket_file = (path, (status.st_dev, status.st_ino))
 
     def _socket(self) -> zmq.Socket:
         socket = self.context.socket(zmq.REP)
@@ -139,7 +153,7 @@ class RpcTransport:
                     socket.close(linger=0)
                     raise
                 time.sleep(_STOP_CHECK_MS / 1e4)
-        self.socket = socket
+        self._bound(socket)
         return socket
 
     def serve(self, stop: threading.Event, on_serving: Callable[[], None]) -> None:
@@ -175,3 +189,10 @@ class RpcTransport:
         if self.socket is not None and not self.socket.closed:
             self.socket.close(linger=0)
         self.context.term()
+        if self._socket_file is not None:
+            path, identity = self._socket_file
+            with contextlib.suppress(FileNotFoundError):
+                status = os.lstat(path)
+                # Not a file that another server has bound since.
+                if (status.st_dev, status.st_ino) == identity:
+                    os.unlink(path)
