@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -154,49 +155,88 @@ time.sleep(3600)
 """
 
 
-def test_a_client_that_stops_taking_its_reply_does_not_stall_the_server():
-    address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    transport = RpcTransport(
-        _LargeReplyServer(), address, None, reply_send_timeout_s=1.0
-    )
-    transport.bind()
+@contextlib.contextmanager
+def _serving_past_a_stalled_client(
+    transport: RpcTransport,
+) -> Iterator[threading.Thread]:
+    """Serve ``transport`` (bound) in the thread yielded, while a client whose
+    request it received stops taking the reply; then stop and close it."""
+    assert transport.socket is not None
+    endpoint = transport.socket.getsockopt_string(zmq.LAST_ENDPOINT)
     stop = threading.Event()
     served = threading.Thread(target=transport.serve, args=(stop, lambda: None))
     served.start()
     stalled = subprocess.Popen(
-        [sys.executable, "-c", _STALLING_CLIENT, address],
+        [sys.executable, "-c", _STALLING_CLIENT, endpoint],
         stdout=subprocess.PIPE,
         text=True,
     )
-    context = zmq.Context()
     try:
         assert stalled.stdout is not None and stalled.stdout.readline() == "sent\n"
         # Stopped before its reply (0.5 s of engine time) is sent.
         os.kill(stalled.pid, signal.SIGSTOP)
         time.sleep(1.0)
-        answered = False
-        # A healthy client: its first request may go with the dropped
-        # connections; like the verifier's client it renews and retries.
-        for _ in range(2):
-            client = context.socket(zmq.REQ)
-            client.setsockopt(zmq.LINGER, 0)
-            client.setsockopt(zmq.RCVTIMEO, 5000)
-            client.connect(address)
-            client.send(b"request")
-            with contextlib.suppress(zmq.Again):
-                answered = client.recv_multipart()[0] == b'{"ok": true}'
-            client.close()
-            if answered:
-                break
-        assert answered
+        yield served
     finally:
         os.kill(stalled.pid, signal.SIGKILL)
         stalled.wait()
         stop.set()
         served.join(10)
         transport.close()
-        context.term()
+
+
+def _answered(endpoint: str) -> bool:
+    """Whether a healthy client on ``endpoint`` gets its reply: its first
+    request may go with the dropped connections; like the verifier's client
+    it renews and retries."""
+    context = zmq.Context()
+    answered = False
+    for _ in range(2):
+        client = context.socket(zmq.REQ)
+        client.setsockopt(zmq.LINGER, 0)
+        client.setsockopt(zmq.RCVTIMEO, 5000)
+        client.connect(endpoint)
+        client.send(b"request")
+        with contextlib.suppress(zmq.Again):
+            answered = client.recv_multipart()[0] == b'{"ok": true}'
+        client.close()
+        if answered:
+            break
+    context.term()
+    return answered
+
+
+def test_a_client_that_stops_taking_its_reply_does_not_stall_the_server():
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    transport = RpcTransport(
+        _LargeReplyServer(), address, None, reply_send_timeout_s=1.0
+    )
+    transport.bind()
+    with _serving_past_a_stalled_client(transport) as served:
+        assert _answered(address)
     assert not served.is_alive()
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:*", "ipc://*"])
+def test_a_wildcard_address_keeps_its_endpoint_past_a_stalled_client(address):
+    transport = RpcTransport(
+        _LargeReplyServer(), address, None, reply_send_timeout_s=1.0
+    )
+    transport.bind()
+    assert transport.socket is not None
+    endpoint = transport.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    with _serving_past_a_stalled_client(transport):
+        assert _answered(endpoint)
+
+
+def test_a_stopped_server_removes_the_directory_of_its_ipc_wildcard():
+    transport = RpcTransport(_LargeReplyServer(), "ipc://*", None)
+    transport.bind()
+    assert transport.socket is not None
+    endpoint = transport.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    directory = os.path.dirname(endpoint.removeprefix("ipc://"))
+    transport.close()
+    assert not os.path.exists(directory)
 
 
 def test_an_ipc_path_that_became_a_file_after_parsing_is_not_bound(tmp_path):

@@ -8,18 +8,21 @@ validates everything and never raises; tensor frames of the reply are sent
 without copies and tracked, so the next request cannot touch the buffers they
 alias before ZeroMQ has sent them. A peer that stops taking its reply for
 ``reply_send_timeout_s`` has its connection dropped with the socket, which is
-bound again (the other clients' requests in flight are lost with it: their
-clients time out and fail closed), so one stalled verifier cannot stop the
-server from answering or from shutting down. A ZeroMQ failure ends ``serve``
-with the error: the process then stops instead of reporting ready over a dead
-socket. ``close`` removes the ipc socket file bound, unless another server has
-bound the path since.
+bound again on the endpoint it had, a wildcard's port or path included (the
+other clients' requests in flight are lost with it: their clients time out
+and fail closed), so one stalled verifier cannot stop the server from
+answering or from shutting down. A ZeroMQ failure ends ``serve`` with the
+error: the process then stops instead of reporting ready over a dead socket.
+``ipc://*`` binds a socket in a new temporary directory. ``close`` removes the
+ipc socket file bound, unless another server has bound the path since, and
+that directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -67,9 +70,12 @@ class RpcTransport:
         self.reply_send_timeout_s = reply_send_timeout_s
         self.context = zmq.Context()
         self.socket: zmq.Socket | None = None
+        # The endpoint bound (a wildcard resolved), which a rebind binds again.
+        self.endpoint: str | None = None
         self.authenticator: ThreadAuthenticator | None = None
         # The ipc socket file bound and its (st_dev, st_ino).
         self._socket_file: tuple[str, tuple[int, int]] | None = None
+        self._ipc_dir: str | None = None
 
     def max_frame_bytes(self) -> int:
         """Largest message part accepted (ZMQ_MAXMSGSIZE): the context-row frame
@@ -81,25 +87,30 @@ class RpcTransport:
 
     def bind(self) -> None:
         claim_ipc_path(self.address)
+        address = self.address
+        if address == "ipc://*":
+            # ZeroMQ's own ipc wildcard removes its directory when the socket
+            # closes, so a rebind could not bind the path again.
+            self._ipc_dir = tempfile.mkdtemp(prefix="k3-draft-rpc-")
+            address = f"ipc://{self._ipc_dir}/socket"
         socket = self._socket()
         try:
             self.authenticator = secure_socket(self.context, socket, self.curve)
-            socket.bind(self.address)
+            socket.bind(address)
         except BaseException:
             # An open socket would keep close()'s context.term() waiting.
             socket.close(linger=0)
             raise
         self._bound(socket)
         logger.info(
-            "Draft RPC serving on %s%s",
-            socket.getsockopt_string(zmq.LAST_ENDPOINT),
-            " (CURVE)" if self.curve else "",
+            "Draft RPC serving on %s%s", self.endpoint, " (CURVE)" if self.curve else ""
         )
 
     def _bound(self, socket: zmq.Socket) -> None:
         """Serve on ``socket``, just bound; note its ipc socket file."""
         self.socket = socket
-        path = ipc_path(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        path = ipc_path(self.endpoint)
         if path is not None:
             status = os.stat(path)
             self._socket_file = (path, (status.st_dev, status.st_ino))
@@ -129,13 +140,14 @@ class RpcTransport:
 
     def _rebind(self, tracker: zmq.MessageTracker) -> zmq.Socket:
         """Drop every connection with the socket (the stalled reply with
-        them), wait until ZeroMQ released the reply's buffers, bind again."""
-        assert self.socket is not None
+        them), wait until ZeroMQ released the reply's buffers, bind the same
+        endpoint again."""
+        assert self.socket is not None and self.endpoint is not None
         logger.warning(
             "A draft client did not take its reply within %.0f s; dropping the "
             "connections of %s and binding again",
             self.reply_send_timeout_s,
-            self.address,
+            self.endpoint,
         )
         self.socket.close(linger=0)
         tracker.wait(self.reply_send_timeout_s)
@@ -146,7 +158,7 @@ class RpcTransport:
         deadline = time.monotonic() + self.reply_send_timeout_s
         while True:
             try:
-                socket.bind(self.address)
+                socket.bind(self.endpoint)
                 break
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
@@ -196,3 +208,7 @@ class RpcTransport:
                 # Not a file that another server has bound since.
                 if (status.st_dev, status.st_ino) == identity:
                     os.unlink(path)
+        if self._ipc_dir is not None:
+            # Left if anything else was put there.
+            with contextlib.suppress(OSError):
+                os.rmdir(self._ipc_dir)

@@ -131,7 +131,7 @@ def bind_scope(address: str) -> str:
 
 def ipc_path(address: str) -> str | None:
     """The socket file an ``ipc://`` address binds; None for other transports,
-    for ``ipc://*`` (a path of ZeroMQ's choosing) and for Linux's abstract
+    for ``ipc://*`` (a path chosen at bind) and for Linux's abstract
     names (``ipc://@name``), which have no file."""
     transport, _, path = address.partition("://")
     if transport != "ipc" or path == "*" or path.startswith("@"):
