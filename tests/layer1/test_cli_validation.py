@@ -57,6 +57,22 @@ def test_counts_must_be_positive_integers(flag, value, capsys):
     assert flag in refused([flag, value], capsys)
 
 
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--seed",
+        "--vocab-size",
+        "--hidden-size",
+        "--num-layers",
+        "--context-width",
+        "--max-model-len",
+    ],
+)
+def test_integers_beyond_int64_are_refused(flag, capsys):
+    err = refused([flag, str(2**63)], capsys)
+    assert f"argument {flag}: {2**63} is above {2**63 - 1}" in err
+
+
 @pytest.mark.parametrize("flag", ["--memory-limit-gib", "--min-free-memory-gib"])
 @pytest.mark.parametrize("value", ["0", "-1", "x", "inf", "nan"])
 def test_memory_sizes_must_be_positive_finite_numbers(flag, value, capsys):

@@ -67,10 +67,17 @@ def test_non_loopback_bind_is_allowed_with_the_unsafe_flag():
         "tcp://127.0.0.1:70000",
         "127.0.0.1:5555",
         "tcp://:5555",
+        "tcp://127.0.0.1:\u0665\u0665",  # digits, but not ASCII ones
     ],
 )
 def test_unsupported_or_malformed_addresses_are_refused(address):
     with pytest.raises(BindRefused):
+        check_bind(address, None, allow_unsafe_remote_rpc=True)
+
+
+@pytest.mark.parametrize("address", ["tcp://::1:5555", "tcp://fe80::1:5555"])
+def test_an_ipv6_address_without_brackets_is_refused(address):
+    with pytest.raises(BindRefused, match="IPv6 address without brackets"):
         check_bind(address, None, allow_unsafe_remote_rpc=True)
 
 

@@ -64,6 +64,8 @@ _REFERENCE_ONLY = (
 )
 _PRODUCTION_ONLY = ("draft_model", "target_model")
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Counts, sizes and the seed end up in int64 tensors and torch's arguments.
+_INT64_MAX = 2**63 - 1
 
 
 def _int_at_least(minimum: int):
@@ -74,6 +76,8 @@ def _int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        if value > _INT64_MAX:
+            raise argparse.ArgumentTypeError(f"{value} is above {_INT64_MAX}")
         return value
 
     return parse

@@ -15,7 +15,8 @@
   resolver accepts: ``0.0.0.0``, ``0``, ``0x0``, ``::``, ``::ffff:0.0.0.0``)
   without CURVE is always refused.
 * Keys given for a local bind enable CURVE there too.
-* Other transports are refused.
+* Other transports are refused, and so are an IPv6 literal without brackets
+  (``tcp://[::1]:5555``) and a port in other than ASCII digits.
 * An ipc path must fit a Unix socket address, lie in an existing directory and
   not name anything but a socket (ZeroMQ unlinks the path before it binds);
   at bind time, a socket on which a server accepts connections is in use.
@@ -110,10 +111,15 @@ def bind_scope(address: str) -> str:
     if transport != "tcp":
         raise BindRefused(f"transport {transport!r} is not supported ({address})")
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not (port == "*" or port.isdigit()):
+    numeric_port = port.isascii() and port.isdigit()
+    if not sep or not host or not (port == "*" or numeric_port):
         raise BindRefused(f"malformed TCP address {address!r}")
-    if port.isdigit() and not 0 < int(port) < 65536:
+    if numeric_port and not 0 < int(port) < 65536:
         raise BindRefused(f"port {port} out of range in {address!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise BindRefused(
+            f"IPv6 address without brackets in {address!r} (write tcp://[::1]:N)"
+        )
     host = host.removeprefix("[").removesuffix("]")
     if host == "*":
         return "wildcard"
