@@ -304,6 +304,44 @@ def test_a_stopped_server_leaves_the_socket_file_of_a_later_bind(tmp_path):
         context.term()
 
 
+# Runs the server as ``python -m`` does, sending the signal argv[1] to itself
+# when the server module imports its transport module: during its imports.
+_SIGNAL_DURING_IMPORTS = """
+import os, runpy, sys
+signum = int(sys.argv[1])
+
+class SignalOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm.entrypoints.k3_dspark_rpc":
+            os.kill(os.getpid(), signum)
+        return None
+
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["k3_dspark_standalone", *sys.argv[2:]]
+runpy.run_module(
+    "vllm.entrypoints.k3_dspark_standalone", run_name="__main__", alter_sys=True
+)
+"""
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT], ids=lambda signum: signum.name
+)
+def test_a_stop_signal_during_the_imports_stops_the_server_cleanly(tmp_path, signum):
+    server = DraftServerProcess(tmp_path)
+    python, _, _, *args = server.command()
+    with open(server.log_path, "ab") as log_file:
+        code = subprocess.run(
+            [python, "-c", _SIGNAL_DURING_IMPORTS, str(int(signum)), *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+        ).returncode
+    log = server.log_tail()
+    assert code == 0, log
+    assert "Stopped during start-up" in log and "Traceback" not in log
+
+
 def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):
     # A draft large enough that loading takes a few seconds on CPU.
     server = DraftServerProcess(

@@ -13,7 +13,10 @@ cache, weights, staging), the model is loaded, CUDA graphs are captured and
 the free device memory left is checked; only then does the RPC socket bind and
 ``/readyz`` turn 200. Every CLI value is validated at parse time. A transport
 failure after start-up stops the process with the error (exit status 1);
-SIGTERM/SIGINT stop it cleanly (exit status 0), during start-up at once.
+SIGTERM/SIGINT stop it cleanly (exit status 0), during start-up at once. Run
+as a program, the module installs the handlers before its own imports (torch);
+only the import of the ``vllm`` package before it (which, with upstream vLLM
+installed, imports torch too) keeps Python's default handling.
 """
 
 from __future__ import annotations
@@ -28,6 +31,27 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Set by SIGTERM/SIGINT from the moment the handlers are in: a stop during the
+# imports or the parsing ends start-up cleanly as soon as ``run`` begins.
+_stop = threading.Event()
+
+
+def _request_stop(signum: int, frame: object) -> None:
+    _stop.set()
+
+
+def _install_stop_handlers() -> None:
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _request_stop)
+
+
+if __name__ == "__main__":
+    # Before the imports below, which take seconds (torch).
+    _install_stop_handlers()
+
+# The imports below come after the signal handlers on purpose.
+# ruff: noqa: E402
 import torch
 import zmq
 
@@ -63,7 +87,6 @@ _REFERENCE_ONLY = (
     "seed",
 )
 _PRODUCTION_ONLY = ("draft_model", "target_model")
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Counts, sizes and the seed end up in int64 tensors and torch's arguments.
 _INT64_MAX = 2**63 - 1
 
@@ -466,12 +489,11 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # Installed already when run as a program, not when called.
+    _install_stop_handlers()
     args = parse_args(argv)
     configure_process_logging()
-    stop = threading.Event()
-    for signum in _STOP_SIGNALS:
-        signal.signal(signum, lambda *_: stop.set())
-    sys.exit(run(args, stop))
+    sys.exit(run(args, _stop))
 
 
 if __name__ == "__main__":
