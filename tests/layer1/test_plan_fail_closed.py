@@ -413,42 +413,53 @@ def _failing_propose(header, frames):
     return [protocol.encode_header(protocol.error_reply(RuntimeError("sticky fault")))]
 
 
-def test_error_replies_in_a_row_back_off_as_an_unreachable_server(scripted_server):
-    client = DraftClient(scripted_server.address, timeout_ms=300)
-    plan = RemotePlan(client, NEEDS, retry_interval_s=60.0)
-    try:
+@pytest.fixture
+def online_plan(scripted_server):
+    """``online_plan(retry_interval_s)``: a plan that has shaken hands."""
+    clients = []
+
+    def make(retry_interval_s: float) -> RemotePlan:
+        client = DraftClient(scripted_server.address, timeout_ms=300)
+        clients.append(client)
+        plan = RemotePlan(client, NEEDS, retry_interval_s=retry_interval_s)
         plan.connect()
-        scripted_server.handlers["PROPOSE"] = _failing_propose
-        for _ in range(6):
-            assert (plan.run(_step(["a"])).tokens == -1).all()
-        # The first failure is retried at once; the second backs off.
-        assert scripted_server.ops().count("PROPOSE") == 2
-        assert plan.server is None
-    finally:
+        return plan
+
+    yield make
+    for client in clients:
         client.close()
 
 
-def test_a_successful_propose_forgives_earlier_error_replies(scripted_server):
-    client = DraftClient(scripted_server.address, timeout_ms=300)
-    plan = RemotePlan(client, NEEDS, retry_interval_s=0.05)
-    try:
-        plan.connect()
-        scripted_server.handlers["PROPOSE"] = _failing_propose
-        plan.run(_step(["a"]))
-        plan.run(_step(["a"]))  # second in a row: offline for 0.05 s
-        del scripted_server.handlers["PROPOSE"]
-        time.sleep(0.1)
-        for _ in range(100):  # the retry's PONG may come a step late
-            if (plan.run(_step(["a"])).tokens >= 0).all():
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the plan never came back online")
-        scripted_server.handlers["PROPOSE"] = _failing_propose
-        plan.run(_step(["a"]))
-        proposes = scripted_server.ops().count("PROPOSE")
-        # One failure since the success: retried on the very next step.
-        plan.run(_step(["a"]))
-        assert scripted_server.ops().count("PROPOSE") == proposes + 1
-    finally:
-        client.close()
+def test_error_replies_in_a_row_back_off_as_an_unreachable_server(
+    online_plan, scripted_server
+):
+    plan = online_plan(60.0)
+    scripted_server.handlers["PROPOSE"] = _failing_propose
+    for _ in range(6):
+        assert (plan.run(_step(["a"])).tokens == -1).all()
+    # The first failure is retried at once; the second backs off.
+    assert scripted_server.ops().count("PROPOSE") == 2
+    assert plan.server is None
+
+
+def test_a_successful_propose_forgives_earlier_error_replies(
+    online_plan, scripted_server
+):
+    plan = online_plan(0.05)
+    scripted_server.handlers["PROPOSE"] = _failing_propose
+    plan.run(_step(["a"]))
+    plan.run(_step(["a"]))  # second in a row: offline for 0.05 s
+    del scripted_server.handlers["PROPOSE"]
+    time.sleep(0.1)
+    for _ in range(100):  # the retry's PONG may come a step late
+        if (plan.run(_step(["a"])).tokens >= 0).all():
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the plan never came back online")
+    scripted_server.handlers["PROPOSE"] = _failing_propose
+    plan.run(_step(["a"]))
+    proposes = scripted_server.ops().count("PROPOSE")
+    # One failure since the success: retried on the very next step.
+    plan.run(_step(["a"]))
+    assert scripted_server.ops().count("PROPOSE") == proposes + 1
