@@ -26,7 +26,7 @@ from k3_layer1_server import (
     propose_message,
 )
 
-from vllm.entrypoints.k3_dspark_rpc import RpcTransport
+from vllm.entrypoints.k3_dspark_rpc import RpcTransport, SocketFileLost
 from vllm.k3_draft import protocol
 from vllm.k3_draft.engine import DraftLimits
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
@@ -286,6 +286,27 @@ def test_a_stopped_server_removes_its_ipc_socket_file(draft_server_factory):
     assert os.path.exists(path)
     assert server.stop() == 0
     assert not os.path.exists(path)
+
+
+def test_a_removed_ipc_socket_file_ends_serve_with_the_error(tmp_path):
+    path = tmp_path / "draft.ipc"
+    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
+    transport.bind()
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            transport.serve(threading.Event(), lambda: None)
+        except SocketFileLost as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    path.unlink()
+    thread.join(timeout=30)
+    transport.close()
+    assert not thread.is_alive()
+    assert "was removed; no client can connect" in str(failed[0])
 
 
 def test_a_stopped_server_leaves_the_socket_file_of_a_later_bind(tmp_path):

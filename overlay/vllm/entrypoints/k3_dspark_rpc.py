@@ -13,9 +13,11 @@ other clients' requests in flight are lost with it: their clients time out
 and fail closed), so one stalled verifier cannot stop the server from
 answering or from shutting down. A ZeroMQ failure ends ``serve`` with the
 error: the process then stops instead of reporting ready over a dead socket.
-``ipc://*`` binds a socket in a new temporary directory. ``close`` removes the
-ipc socket file bound, unless another server has bound the path since, and
-that directory.
+``ipc://*`` binds a socket in a new temporary directory. An ipc socket file
+removed or replaced while the server runs (a temporary-file cleaner, another
+server) ends ``serve`` with ``SocketFileLost`` within a second: no client could
+connect any more. ``close`` removes the ipc socket file bound, unless another
+server has bound the path since, and that directory.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ from vllm.k3_draft.server import DraftServer
 logger = init_logger(__name__)
 
 _STOP_CHECK_MS = 100
+# How often ``serve`` checks that its ipc socket file is still its own.
+_SOCKET_FILE_CHECK_S = 1.0
+
+
+class SocketFileLost(RuntimeError):
+    """The ipc socket file the server bound was removed or replaced."""
+
+
 # How long a peer may take to receive its reply before its connection is
 # dropped (a multi-megabyte logits reply takes milliseconds on loopback).
 _REPLY_SEND_TIMEOUT_S = 10.0
@@ -175,7 +185,11 @@ class RpcTransport:
         on_serving()
         tracker: zmq.MessageTracker | None = None
         handle = self.server.handle
+        next_file_check = 0.0
         while not stop.is_set():
+            if self._socket_file is not None and time.monotonic() >= next_file_check:
+                self._check_socket_file()
+                next_file_check = time.monotonic() + _SOCKET_FILE_CHECK_S
             try:
                 frames = socket.recv_multipart(copy=False)
             except zmq.Again:
@@ -194,6 +208,20 @@ class RpcTransport:
                 socket.send(reply[0])
             else:
                 tracker = socket.send_multipart(reply, copy=False, track=True)
+
+    def _check_socket_file(self) -> None:
+        assert self._socket_file is not None
+        path, identity = self._socket_file
+        try:
+            status = os.lstat(path)
+        except FileNotFoundError:
+            raise SocketFileLost(
+                f"the ipc socket file {path} was removed; no client can connect"
+            ) from None
+        if (status.st_dev, status.st_ino) != identity:
+            raise SocketFileLost(
+                f"the ipc socket file {path} was replaced; no client can connect"
+            )
 
     def close(self) -> None:
         if self.authenticator is not None:
