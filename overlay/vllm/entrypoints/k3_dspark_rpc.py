@@ -55,6 +55,16 @@ class SocketFileLost(RuntimeError):
     """The ipc socket file the server bound was removed or replaced."""
 
 
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``path`` itself (a link is not followed); None
+    when nothing is there."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_dev, status.st_ino
+
+
 # How long a peer may take to receive its reply before its connection is
 # dropped (a multi-megabyte logits reply takes milliseconds on loopback).
 _REPLY_SEND_TIMEOUT_S = 10.0
@@ -212,15 +222,11 @@ class RpcTransport:
     def _check_socket_file(self) -> None:
         assert self._socket_file is not None
         path, identity = self._socket_file
-        try:
-            status = os.lstat(path)
-        except FileNotFoundError:
+        now = _file_identity(path)
+        if now != identity:
+            how = "removed" if now is None else "replaced"
             raise SocketFileLost(
-                f"the ipc socket file {path} was removed; no client can connect"
-            ) from None
-        if (status.st_dev, status.st_ino) != identity:
-            raise SocketFileLost(
-                f"the ipc socket file {path} was replaced; no client can connect"
+                f"the ipc socket file {path} was {how}; no client can connect"
             )
 
     def close(self) -> None:
@@ -231,10 +237,9 @@ class RpcTransport:
         self.context.term()
         if self._socket_file is not None:
             path, identity = self._socket_file
-            with contextlib.suppress(FileNotFoundError):
-                status = os.lstat(path)
-                # Not a file that another server has bound since.
-                if (status.st_dev, status.st_ino) == identity:
+            # Not a file that another server has bound since.
+            if _file_identity(path) == identity:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         if self._ipc_dir is not None:
             # Left if anything else was put there.

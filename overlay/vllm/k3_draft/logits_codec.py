@@ -163,10 +163,15 @@ def encode_logits(
 
     Values are the logits rounded to bf16; top-k frames are ``topk_frame``'s.
     """
-    meta = reply_metadata(logits, fmt, positions)
+    return reply_metadata(logits, fmt, positions), logits_frame(logits, fmt)
+
+
+def logits_frame(logits: torch.Tensor, fmt: LogitsFormat) -> torch.Tensor:
+    """The frame bytes (uint8, on the logits' device) of ``logits``
+    ``[R, K, V]`` in ``fmt``: bf16 values, or ``topk_frame``'s for top-k."""
     if fmt.topk:
-        return meta, topk_frame(logits, fmt.topk)
-    return meta, logits.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+        return topk_frame(logits, fmt.topk)
+    return logits.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
 
 
 def reply_metadata(

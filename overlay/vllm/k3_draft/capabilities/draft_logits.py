@@ -30,7 +30,7 @@ from vllm.k3_draft.logits_codec import (
     CAPABILITY_TOPK,
     REQUEST_FIELDS,
     LogitsFormat,
-    encode_logits,
+    logits_frame,
     reply_metadata,
     requested_format,
     sample_positions,
@@ -185,13 +185,12 @@ class DraftLogitsReply(protocol.ReplyExtension):
             options.max_model_len,
         )
         fmt = options.fmt
+        meta = reply_metadata(logits, fmt, positions)
         if fmt.topk and logits.device.type == "cuda":
-            meta = reply_metadata(logits, fmt, positions)
             host = self._host(meta["nbytes"])
             if self._graphs.write(logits, fmt.topk, host):
                 return meta, [protocol.tensor_frame(host)]
-        meta, frame = encode_logits(logits, fmt, positions)
-        return meta, [protocol.tensor_frame(self._to_host(frame))]
+        return meta, [protocol.tensor_frame(self._to_host(logits_frame(logits, fmt)))]
 
     def _host(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the pinned staging buffer (grown to fit)."""
