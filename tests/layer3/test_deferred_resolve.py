@@ -27,7 +27,7 @@ import torch
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm import envs
-from vllm.k3_draft import deferred, protocol, stream_gate
+from vllm.k3_draft import protocol, stream_gate
 from vllm.k3_draft.deferred import (
     DeferredResolution,
     install_deferred_resolution,
@@ -192,17 +192,35 @@ def test_switch_interval_is_never_raised(
     assert sys.getswitchinterval() == pytest.approx(20e-6)
 
 
-def test_without_a_cuda_runtime_replies_resolve_synchronously(
-    make_speculator, scripted_server, monkeypatch
-):
-    speculator, _ = make_speculator(scripted_server.address)
+@pytest.fixture
+def no_cuda_runtime(monkeypatch):
+    """As on ROCm: the device is "cuda" but no CUDA runtime can be loaded."""
 
-    def no_runtime(*args: Any, **kwargs: Any) -> None:
+    def not_found() -> str:
         raise OSError("libcudart not found (torch's bundled runtime or the system's)")
 
-    # As on ROCm: the device is "cuda" but the gate cannot load its runtime.
+    monkeypatch.setattr(stream_gate, "_runtime", None)
+    monkeypatch.setattr(stream_gate, "_find_cudart", not_found)
+
+
+def test_without_a_cuda_runtime_replies_resolve_synchronously(
+    make_speculator, scripted_server, monkeypatch, no_cuda_runtime
+):
+    speculator, _ = make_speculator(scripted_server.address)
     monkeypatch.setattr(speculator, "device", torch.device("cuda"))
-    monkeypatch.setattr(deferred, "StreamGate", no_runtime)
+    assert install_deferred_resolution(speculator) is None
+    assert type(speculator.resolution) is ImmediateResolution
+
+
+def test_without_a_cuda_runtime_a_rank_without_plan_resolves_synchronously(
+    make_speculator, scripted_server, monkeypatch, no_cuda_runtime
+):
+    # A TP rank other than 0 has no plan; it must fall back as rank 0 does,
+    # or the ranks post the drafts' broadcasts in different steps.
+    speculator, _ = make_speculator(scripted_server.address)
+    monkeypatch.setattr(speculator, "device", torch.device("cuda"))
+    speculator.plan.client.close()
+    monkeypatch.setattr(speculator, "plan", None)
     assert install_deferred_resolution(speculator) is None
     assert type(speculator.resolution) is ImmediateResolution
 

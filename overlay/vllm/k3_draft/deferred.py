@@ -72,7 +72,7 @@ import torch
 from vllm import envs
 from vllm.k3_draft.plan import NO_DRAFT, ProposeExtension
 from vllm.k3_draft.protocol import ProtocolError
-from vllm.k3_draft.stream_gate import ReplyGate, StreamGate
+from vllm.k3_draft.stream_gate import ReplyGate, StreamGate, require_runtime
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
@@ -268,10 +268,12 @@ class DeferredResolution(ImmediateResolution):
         handles = [extension_staging(e) for e in speculator.extensions]
         self.deferrable = all(handle is not None for handle in handles)
         self._staging = [handle for handle in handles if handle is not None]
+        cuda = speculator.device.type == "cuda"
+        if cuda:
+            # On every rank, planning or not, so that all fall back alike.
+            require_runtime()
         if speculator.plan is None:
             return
-        cuda = speculator.device.type == "cuda"
-        # The gates first: without a CUDA runtime they raise OSError.
         gates = [
             ReplyGate(StreamGate() if cuda else None) for _ in range(NUM_STAGING_SLOTS)
         ]

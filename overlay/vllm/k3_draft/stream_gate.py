@@ -85,6 +85,12 @@ def _get_runtime() -> _Runtime:
         return _runtime
 
 
+def require_runtime() -> None:
+    """Raise ``OSError`` where no gate can be made (no CUDA runtime to load,
+    as on ROCm)."""
+    _get_runtime()
+
+
 class StreamGate:
     """A two-party barrier between a CUDA stream and a host thread."""
 
