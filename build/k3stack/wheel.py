@@ -4,8 +4,9 @@
 
 Unchanged entries are copied compressed, byte for byte, from the upstream
 wheel; changed and added files are deflated at a fixed level. Every entry gets
-the same timestamp and normalised permissions, and entries keep upstream's
-order with new files sorted after them, so the same inputs give the same bytes.
+the same fixed timestamp (1980-01-01 00:00, never the build's date) and
+normalised permissions, and entries keep upstream's order with new files sorted
+after them, so the same inputs give the same bytes.
 """
 
 from __future__ import annotations

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import base64
 import csv
+import datetime as dt
 import hashlib
 import io
 import json
 import os
+import pickle
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -17,27 +21,72 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
-from k3stack.artifacts import STAGING_PREFIX, build, docker_build
+from k3stack.artifacts import STAGING_PREFIX, BuildResult, build, docker_build
 from k3stack.fetch import sha256_file
 from k3stack.gitutil import git
 from k3stack.refresh import refresh
 
-INSTALLER = Path(__file__).resolve().parents[2] / "build" / "k3stack" / "install.py"
+BUILD = Path(__file__).resolve().parents[2] / "build"
+INSTALLER = BUILD / "k3stack" / "install.py"
 
 
 def build_into(syn: Synthetic, out: Path):
     return build(syn.stack(), syn.pin, syn.tree, syn.wheel, out, layers=3)
 
 
-def test_two_builds_give_the_same_wheel_sha256(
+# A build in a fresh interpreter: its own hash seed (set and dict order of
+# strings) and its own time zone, as two maintainers' builds would have.
+_CHILD_BUILD = """
+import pickle, sys
+from k3stack.artifacts import build
+from k3stack.series import load_stack
+root, pin, tree, wheel, out = pickle.loads(bytes.fromhex(sys.argv[1]))
+result = build(load_stack(root), pin, tree, wheel, out, layers=3)
+print(pickle.dumps(result).hex())
+"""
+
+
+def build_in_a_child(syn: Synthetic, out: Path, seed: str, tz: str) -> BuildResult:
+    inputs = pickle.dumps((syn.root, syn.pin, syn.tree, syn.wheel, out)).hex()
+    path = os.pathsep.join([str(BUILD), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONHASHSEED": seed, "TZ": tz}
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD_BUILD, inputs],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr
+    return pickle.loads(bytes.fromhex(child.stdout.split()[-1]))
+
+
+def test_two_builds_in_different_processes_give_the_same_wheel_sha256(
     filled: Synthetic, tmp_path: Path
 ) -> None:
+    # Enough new files that two hash seeds would order a set of them apart.
+    new = {f"vllm/k3_{name}.py": f"NAME = {name!r}\n" for name in "abcdefgh"}
+    filled.amend(3, new)
+    refresh(filled.stack(), filled.tree, today=dt.date(2026, 11, 2))
+    git(filled.root, "add", "-A")
+    git(filled.root, "commit", "-q", "-m", "layer 3 adds files")
     filled.apply()
-    first = build_into(filled, tmp_path / "a")
-    second = build_into(filled, tmp_path / "b")
+    # UTC-12 and UTC+14: the two local dates differ whenever the builds run.
+    first = build_in_a_child(filled, tmp_path / "a", seed="1", tz="WEST+12")
+    second = build_in_a_child(filled, tmp_path / "b", seed="2", tz="EAST-14")
     assert first.wheel.name == second.wheel.name
     assert sha256_file(first.wheel) == sha256_file(second.wheel)
     assert first.lock.read_bytes() == second.lock.read_bytes()
+
+
+def test_every_wheel_entry_carries_the_fixed_1980_timestamp_not_the_build_date(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    with zipfile.ZipFile(result.wheel) as zf:
+        stamps = {info.date_time for info in zf.infolist()}
+    assert stamps == {(1980, 1, 1, 0, 0, 0)}
 
 
 def test_the_wheel_carries_a_local_version_and_a_valid_record(
