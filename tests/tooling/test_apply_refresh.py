@@ -281,6 +281,23 @@ def test_a_layer_that_would_need_fuzz_names_layer_file_and_hunk(
     assert "vllm/model.py hunk 1 (@@ -59,7 +59,7 @@" in message
 
 
+def test_a_hand_edited_hunk_whose_new_position_drifted_is_refused_in_one_line(
+    filled: Synthetic,
+) -> None:
+    patch = filled.root / "patches" / "0002-layer-2.patch"
+    text = patch.read_text()
+    assert text.count("@@ -59,7 +59,7 @@") == 1
+    # The hunk still matches where it says; only the position it gives the
+    # result has drifted by a line, as a careless hand edit leaves it.
+    patch.write_text(text.replace("@@ -59,7 +59,7 @@", "@@ -59,7 +60,7 @@"))
+    with pytest.raises(StackError) as info:
+        filled.apply()
+    assert str(info.value) == (
+        "layer 2 (0002-layer-2.patch) does not apply: vllm/model.py hunk 1 "
+        "(@@ -59,7 +60,7 @@ def step_19():): new position drifts from the old one"
+    )
+
+
 def test_a_hunk_made_at_end_of_file_is_refused_where_upstream_goes_on_after_it(
     synthetic: Synthetic, tmp_path
 ) -> None:
