@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from k3l4_slots import PAD, kernel_path, random_case, run_kernel
 from k3l4_slots import spec_example as example
 
@@ -80,6 +81,60 @@ def test_block_tables_launch_the_layer_kernel() -> None:
     assert not hasattr(block_table, "_compute_slot_mappings_kernel")
     installed = Path(block_table.__file__).with_name("k3_dcp_block_table.py")
     assert kernel_path().samefile(installed)
+
+
+@pytest.mark.parametrize(
+    ("interleave", "sharded"),
+    [(1, SPEC_SHARDED), (2, [PAD, PAD, PAD, PAD, 320, 321, PAD, PAD])],
+)
+def test_block_tables_map_slots_with_their_cp_geometry(
+    interpreted_kernels: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    interleave: int,
+    sharded: list[int],
+) -> None:
+    """The real ``BlockTables.compute_slot_mappings`` on the spec example (CP
+    size 4, rank 2) hands the kernel its rank, size and interleave in order."""
+    from vllm.v1.worker.gpu import buffer_utils
+
+    class HostUvaBuffer:  # UVA needs a CUDA driver: host memory stands in
+        def __init__(self, size: int, dtype: torch.dtype) -> None:
+            self.cpu = torch.zeros(size, dtype=dtype)
+            self.np = self.cpu.numpy()
+
+        def uva(self, n: int | None = None) -> torch.Tensor:
+            return self.cpu[:n]
+
+    monkeypatch.setattr(buffer_utils, "UvaBuffer", HostUvaBuffer)
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: True)
+    monkeypatch.setattr(
+        block_table, "compute_slot_mappings", interpreted_kernels.compute_slot_mappings
+    )
+    case = example()
+    case.interleave = interleave
+    tables = block_table.BlockTables(
+        block_sizes=[g.block_size for g in case.groups],
+        max_num_reqs=1,
+        max_num_batched_tokens=case.max_num_tokens,
+        max_num_blocks_per_group=[2, 2],
+        device=torch.device("cpu"),
+        cp_size=case.cp_size,
+        cp_rank=case.cp_rank,
+        cp_interleave=interleave,
+        dcp_sharded=[g.cp_size > 1 for g in case.groups],
+    )
+    # The rows the kernel reads (the staged-write kernel needs a GPU).
+    for table, group in zip(tables.block_tables, case.groups):
+        table.gpu[0] = torch.tensor(group.rows[0], dtype=torch.int32)
+    slots = tables.compute_slot_mappings(
+        torch.tensor(case.idx_mapping, dtype=torch.int32),
+        torch.tensor([0, len(case.positions)], dtype=torch.int32),
+        torch.tensor(case.positions, dtype=torch.int64),
+        case.max_num_tokens,
+    )
+    assert slots.tolist() == case.expected()
+    assert slots[0, :8].tolist() == sharded
+    assert slots[1, :8].tolist() == SPEC_REPLICATED
 
 
 def test_sliding_window_masking_is_kept_for_replicated_groups_under_cp() -> None:
