@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Routing of verify batches through the real ``TritonMLAMetadataBuilder``
 (real ``VllmConfig`` of a tiny local MLA model, CPU): routing, plan bucketing,
-construction checks, DCP on and off, and the routed ``forward_mqa`` against the
-fused kernel called directly (Triton interpreter)."""
+construction and per-step page-table checks, DCP on and off, and the routed
+``forward_mqa`` against the fused kernel called directly (Triton interpreter)."""
 
 import json
 import os
@@ -127,13 +127,27 @@ def _builder(
     return TritonMLAMetadataBuilder(spec, [LAYER], config, torch.device("cpu"))
 
 
-def _common(seq_lens: list[int], query_lens: list[int], block_size: int) -> Any:
+def _common(
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    *,
+    local_seq_lens: list[int] | None = None,
+    pages: int | None = None,
+) -> Any:
+    """A step of global ``seq_lens``; ``local_seq_lens``: this DCP rank's
+    shares (default: the global lengths); ``pages``: the block-table width
+    (default: the pages of the longest sequence)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
-    pages = -(-max(seq_lens) // block_size)
+    local = seq.clone()
+    if local_seq_lens is not None:
+        local = torch.tensor(local_seq_lens, dtype=torch.int32)
+    if pages is None:
+        pages = -(-max(seq_lens) // block_size)
     table = torch.arange(len(seq_lens) * pages, dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=qsl,
@@ -147,7 +161,7 @@ def _common(seq_lens: list[int], query_lens: list[int], block_size: int) -> Any:
         block_table_tensor=table.view(len(seq_lens), pages),
         slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
         causal=True,
-        dcp_local_seq_lens=seq.clone(),
+        dcp_local_seq_lens=local,
     )
 
 
@@ -181,6 +195,26 @@ def test_other_batches_keep_upstream_path(
     # plans exist only for query_len 2..threshold
     assert builder.k3_verify.plan_for(2, 9) is None
     assert builder.k3_verify.plan_for(13, 4) is None
+
+
+def test_batch_with_zero_length_padding_keeps_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A verify request of 4 rows and a zero-length (graph padding) request:
+    # 4 tokens over 2 decodes are not 2 rows each.
+    builder = _builder(model_dir, monkeypatch)
+    meta = builder.build(0, _common([100, 100], [4, 0], 16))
+    assert meta.num_decodes == 2
+    assert getattr(meta.decode, "verify_plan", None) is None
+
+
+def test_step_page_table_narrower_than_its_kv_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 100 tokens of 16-token pages need 7 pages; the step's table has 6.
+    builder = _builder(model_dir, monkeypatch)
+    with pytest.raises(ValueError, match="page table of 6 pages cannot hold"):
+        builder.build(0, _common([100, 100], [4, 4], 16, pages=6))
 
 
 def test_not_eligible_without_spec_decode_or_other_dims(
@@ -297,7 +331,12 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
     for dcp in (1, 2):
         builder = _builder(model_dir, monkeypatch, dcp=dcp, max_num_seqs=4)
         seq_lens, qlen = [5, 40], 3
-        meta = builder.build(0, _common(seq_lens, [qlen] * 2, 16))
+        # Under DCP the step carries this rank's shares as well (the kernel
+        # must be given the global lengths).
+        local = [kernel.local_kv_len(n, dcp, dcp - 1, 1) for n in seq_lens]
+        assert dcp == 1 or local == [2, 20]
+        common = _common(seq_lens, [qlen] * 2, 16, local_seq_lens=local)
+        meta = builder.build(0, common)
         plan = meta.decode.verify_plan
         gen = torch.Generator().manual_seed(dcp)
         heads = 2 * dcp
