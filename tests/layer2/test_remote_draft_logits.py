@@ -207,16 +207,26 @@ def test_slots_without_a_sample_position_keep_no_draft_and_their_row(
     speculator, _ = make_speculator(reference_server.address, probabilistic)
     cache = speculator.draft_logits
     # Request "a" ends two positions before the model length: only its first
-    # slot has a sample position. A step of width 2 drafts no third slot.
+    # slot has a sample position.
     end = MAX_MODEL_LEN - 4
     drafts = _step(speculator, starts=(end, 20), temperature=(0.9, 0.9))
     assert (drafts[0, 0] >= 0) and (drafts[0, 1:] == -1).all()
     assert (drafts[1] >= 0).all()
     assert (cache[ROWS[0], 1:] == FILL).all() and (cache[ROWS[0], 0] != FILL).any()
-    speculator2, _ = make_speculator(reference_server.address, probabilistic)
-    drafts = _step(speculator2, num_speculative_tokens=2)
-    assert (drafts[:, :2] >= 0).all() and (drafts[:, 2] == -1).all()
-    assert (speculator2.draft_logits[list(ROWS), 2] == FILL).all()
+
+
+def test_slots_past_the_steps_draft_width_keep_no_draft_and_their_row(
+    make_speculator, probabilistic, reference_server, reference_gumbel
+):
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    # A step of width 0 still asks the server for one slot (the protocol's
+    # least K), whose logits and sample positions come back.
+    drafts = _step(speculator, num_speculative_tokens=0)
+    retained = speculator.plan.retained
+    assert set(retained) == {"a", "b"}
+    assert not any(state.stale for state in retained.values())
+    assert (drafts == -1).all()
+    assert _untouched(speculator.draft_logits, range(8))
 
 
 # ------------------------------------------------------------- fail closed
@@ -432,6 +442,30 @@ def test_two_consumed_replies_publish_their_own_logits(one_rank, reference_gumbe
         got = torch.full((1, K), -1)
         deferred.publish(payload, _context(got, [2]))
         assert torch.equal(got, drafts) and torch.equal(deferred.draft_logits, cache)
+
+
+def test_a_reused_staging_slot_keeps_no_rows_of_its_earlier_reply(
+    one_rank, reference_gumbel
+):
+    """Two staging slots: the third step's reply reuses the first step's
+    slot, and covers batch row 0 only (row 1 got no reply this step)."""
+    fmt = LogitsFormat(40, 0)
+    extension = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+    both = Proposal(("x", "y"), np.array([0, 1]), np.array([9, 30]), K)
+    only_x = Proposal(("x",), np.array([0]), np.array([12]), K)
+    for proposal, seed in ((both, 1), (both, 2)):
+        extension.publish(
+            extension.consume(*_reply_for(fmt, proposal, seed), proposal),
+            _context(torch.full((2, K), -1), [4, 1]),
+        )
+    cache = extension.draft_logits.clone()
+    drafts = torch.full((2, K), -1)
+    extension.publish(
+        extension.consume(*_reply_for(fmt, only_x, 3), only_x),
+        _context(drafts, [4, 1]),
+    )
+    assert (drafts[0] >= 0).all() and (drafts[1] == -1).all()
+    assert torch.equal(extension.draft_logits[1], cache[1])
 
 
 # ------------------------------------------- staging slots chosen by number
