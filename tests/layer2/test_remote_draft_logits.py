@@ -120,7 +120,9 @@ def oracle_logits() -> torch.Tensor:
     )
 
 
-def _expected_drafts(cache: torch.Tensor, anchors, temperature, seeds) -> torch.Tensor:
+def _expected_drafts(
+    cache: torch.Tensor, anchors, temperature, seeds, use_fp64: bool = False
+) -> torch.Tensor:
     """What upstream's sampler draws from the cached rows of ``ROWS`` on the
     standard draft stream: seed mixed with the slot, keyed by anchor + j."""
     rows = cache[list(ROWS)].reshape(2 * K, -1)
@@ -139,6 +141,7 @@ def _expected_drafts(cache: torch.Tensor, anchors, temperature, seeds) -> torch.
         is_drafting=True,
         logits_cache=torch.empty_like(cache),
         logits_cache_col=torch.arange(K, dtype=torch.int32).repeat(2),
+        use_fp64=use_fp64,
     ).view(2, K)
 
 
@@ -163,7 +166,10 @@ def test_full_vocabulary_drafts_sample_the_wire_logits(
     cache = speculator.draft_logits
     assert cache.shape == (8, K, VOCAB) and cache.dtype == torch.bfloat16
     assert _untouched(cache, range(8))
-    drafts = _step(speculator)
+    # The toy draft's logits are nearly flat: at 0.8 its draws are those of
+    # the untempered logits, at 0.5 they are not.
+    temperature = (0.0, 0.5)
+    drafts = _step(speculator, temperature=temperature)
     # The cache rows of both requests hold the server's bf16 logits.
     torch.testing.assert_close(
         cache[list(ROWS)].float(), oracle_logits, rtol=BF16_ULP, atol=1e-6
@@ -172,8 +178,24 @@ def test_full_vocabulary_drafts_sample_the_wire_logits(
     # Greedy request: the argmax. Sampled request: upstream's draw on the
     # standard draft stream.
     assert torch.equal(drafts[0], cache[ROWS[0]].float().argmax(-1))
-    expected = _expected_drafts(cache, (12, 21), (0.0, 0.8), (11, -(2**40)))
+    expected = _expected_drafts(cache, (12, 21), temperature, (11, -(2**40)))
     assert torch.equal(drafts, expected)
+
+
+def test_fp64_gumbel_config_draws_with_fp64_noise(
+    make_speculator, probabilistic, reference_server, reference_gumbel
+):
+    config = copy.copy(probabilistic)
+    config.model_config = copy.copy(config.model_config)
+    config.model_config.use_fp64_gumbel = True
+    speculator, _ = make_speculator(reference_server.address, config)
+    temperature, seeds = (0.9, 0.9), (11, 12)
+    drafts = _step(speculator, temperature=temperature, seeds=seeds)
+    cache, anchors = speculator.draft_logits, (12, 21)
+    fp64 = _expected_drafts(cache, anchors, temperature, seeds, use_fp64=True)
+    # The fp64 and fp32 noise streams draw apart here.
+    assert not torch.equal(fp64, _expected_drafts(cache, anchors, temperature, seeds))
+    assert torch.equal(drafts, fp64)
 
 
 def test_topk_drafts_are_zero_outside_the_slice(
