@@ -230,14 +230,25 @@ def test_source_refused_at_one_prefix_end_still_serves_a_later_one(
     assert not scripted_server.log[1][1]["requests"][0]["reset"]
 
 
+# Replies to the RECONNECT of "new" at prefix end 32.
+MALFORMED_RECONNECT = {
+    "no restored_start": {},
+    "restored after the prefix end": {"restored_start": 33},
+    "negative restored_start": {"restored_start": -1},
+    "another prefix end": {"restored_start": 16, "prefix_end": 24},
+}
+
+
+@pytest.mark.parametrize(
+    "fields", MALFORMED_RECONNECT.values(), ids=MALFORMED_RECONNECT.keys()
+)
 def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(
-    plan, scripted_server
+    plan, scripted_server, fields
 ):
     plan.run(_step(["src"], count=40))
-    # No restored_start.
     scripted_server.handlers["RECONNECT"] = lambda h, f: [
         protocol.encode_header(
-            protocol.ok_reply("RECONNECT", prefix_end=h["prefix_end"])
+            protocol.ok_reply("RECONNECT", **{"prefix_end": h["prefix_end"], **fields})
         )
     ]
     result = plan.run(_step(["new"], first=32, count=4))
