@@ -194,6 +194,20 @@ def test_invalid_entry_rejects_the_whole_batch(server):
     assert "committed end" in error_of(reply) and state(server) == before
 
 
+def test_an_engine_failure_drops_the_requests_of_its_batch(server, monkeypatch):
+    propose(server, [entry("a", 20, 20, reset=True), entry("b", 9, 9, reset=True)])
+
+    def fault(batch):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(server.engine, "propose", fault)
+    assert "device fault" in error_of(propose(server, [entry("a", 24, 4)]))
+    # Rows 20..24 of "a" may never have reached its K/V: "a" is dropped (a
+    # client must reset it), its slot is free, "b" is kept.
+    assert list(state(server)) == ["b"]
+    assert server.allocator.num_free == LIMITS.max_requests - 1
+
+
 def test_more_new_requests_than_free_slots_are_refused(server):
     propose(server, [entry(f"r{i}", 2, 2, reset=True) for i in range(3)])
     reply = propose(
