@@ -3,10 +3,12 @@
 """Bind rules of the RPC socket (validated before anything binds)."""
 
 import logging
+import threading
 
 import pytest
+from k3_layer1_server import free_tcp_port
 
-from vllm.entrypoints.k3_dspark_standalone import parse_args
+from vllm.entrypoints.k3_dspark_standalone import parse_args, run
 from vllm.k3_draft.security import BindRefused, bind_scope, check_bind, warn_if_unsafe
 
 
@@ -123,3 +125,17 @@ def test_local_bind_logs_no_warning(caplog):
     with caplog.at_level(logging.WARNING):
         warn_if_unsafe("tcp://127.0.0.1:5555", None)
     assert caplog.text == ""
+
+
+def test_the_server_warns_of_an_unsafe_remote_bind_at_every_start(caplog):
+    address = "tcp://10.1.2.3:5555"
+    argv = ["--engine", "reference", "--device", "cpu", "--address", address]
+    argv.append("--allow-unsafe-remote-rpc")
+    stop = threading.Event()
+    stop.set()  # each start stops as soon as its start-up begins
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            args = parse_args([*argv, "--status-port", str(free_tcp_port())])
+            assert run(args, stop) == 0
+    warnings = [r.getMessage() for r in caplog.records if "UNSAFE" in r.getMessage()]
+    assert len(warnings) == 2 and address in warnings[0]
