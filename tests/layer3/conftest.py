@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Layer 3 reuses layer 1's helpers (``toy_target``, ``k3_layer1_server``,
 ``conftest_client``) and layer 2's (``k3_l2_reference``: the CPU reference of
-upstream's Gumbel sampler) by import: put their folders on the path."""
+upstream's Gumbel sampler) by import: put their folders on the path. The
+runner and worker factories of ``k3_l3_runner`` are fixtures here."""
 
 import sys
 from pathlib import Path
@@ -36,3 +37,21 @@ def second_reference_server(tmp_path_factory: pytest.TempPathFactory):
     """Another, for a second verifier: a draft server serves one verifier (a
     FREE reply counting another's requests clears it)."""
     yield from _serve(tmp_path_factory, "draft-second")
+
+
+@pytest.fixture
+def make_runner(monkeypatch: pytest.MonkeyPatch):
+    """``make_runner(speculator, log, k)``: a ``GPUModelRunner`` on CPU
+    (``k3_l3_runner.runner_factory``)."""
+    from k3_l3_runner import runner_factory
+
+    return runner_factory(monkeypatch)
+
+
+@pytest.fixture
+def make_worker(monkeypatch: pytest.MonkeyPatch):
+    """``make_worker(runner, warm_up)``: its ``Worker`` on CPU
+    (``k3_l3_runner.worker_factory``)."""
+    from k3_l3_runner import worker_factory
+
+    return worker_factory(monkeypatch)

@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Deferred resolution on CPU (layer 3): the eligibility table, the gate
 protocol with a recording gate, ordering over the real
-``GPUModelRunner.execute_model`` / ``store_draft_tokens`` with a real
+``GPUModelRunner.sample_tokens`` / ``execute_model`` / ``store_draft_tokens``
+and the worker's warm-up (``k3_l3_runner``) with a real
 ``RemoteK3DSparkSpeculator`` (scripted ZeroMQ server), failure, and
 deferred == immediate draft state against a real reference draft server.
 
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from k3_l3_runner import sample_tokens, scheduler_output
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm import envs
@@ -33,7 +35,6 @@ from vllm.k3_draft.deferred import (
     install_deferred_resolution,
     synchronous_reason,
 )
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
@@ -351,147 +352,30 @@ def _deferred(speculator: Any) -> DeferredResolution:
     return strategy
 
 
-class DraftTable:
-    """``req_states.draft_tokens`` that records every store with the owner of
-    each slot at that moment."""
-
-    def __init__(self, owners: dict[int, str], log: list[tuple]) -> None:
-        self.data = torch.full((8, K), -9, dtype=torch.int64)
-        self.owners = owners
-        self.log = log
-
-    def __setitem__(self, idx: torch.Tensor, value: torch.Tensor) -> None:
-        slots = idx.tolist()
-        self.log.append(("store", [self.owners.get(s) for s in slots], slots))
-        self.data[idx] = value
-
-    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.data[idx]
-
-
-class FakeRequestStates:
-    """The slots of ``RequestState`` (its real buffers need CUDA)."""
-
-    def __init__(self, log: list[tuple]) -> None:
-        self.log = log
-        self.req_id_to_index: dict[str, int] = {}
-        self.owners: dict[int, str] = {}
-        self.draft_tokens = DraftTable(self.owners, log)
-        self.num_computed_tokens_np = np.zeros(8, dtype=np.int32)
-        self.prefill_len = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
-        self.num_computed_prefill_tokens = np.zeros(8, dtype=np.int32)
-
-    def add_request(self, req_id: str, **kwargs: Any) -> None:
-        slot = min(set(range(8)) - set(self.owners))
-        self.req_id_to_index[req_id] = slot
-        self.owners[slot] = req_id
-        self.log.append(("add", req_id, slot))
-
-    def remove_request(self, req_id: str) -> int | None:
-        slot = self.req_id_to_index.pop(req_id, None)
-        if slot is not None:
-            del self.owners[slot]
-            self.log.append(("remove", req_id, slot))
-        return slot
-
-    def apply_staged_writes(self) -> None:
-        pass
-
-
-class RecordingHandler:
-    def __init__(self, log: list[tuple]) -> None:
-        self.log = log
-
-    def set_draft_tokens(self, input_batch: Any, draft_tokens: torch.Tensor) -> None:
-        self.log.append(("output_copy", list(input_batch.req_ids)))
-
-
-class Inert:
-    """Any method call is accepted and ignored (runner parts not under test)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-def _runner(speculator: Any, log: list[tuple]) -> GPUModelRunner:
-    """A ``GPUModelRunner`` (built without ``__init__``: CUDA) holding the
-    parts that ``execute_model``'s request-state updates and
-    ``store_draft_tokens`` touch."""
-    runner = GPUModelRunner.__new__(GPUModelRunner)
-    parts: dict[str, Any] = dict(
-        speculator=speculator,
-        k3_deferred=speculator.resolution,
-        req_states=FakeRequestStates(log),
-        draft_tokens_handler=RecordingHandler(log),
-        num_speculative_steps=K,
-        adaptive_verification=None,
-        pp_handler=None,
-        pooling_runner=None,
-        encoder_cache=None,
-        prompt_logprobs_worker=Inert(),
-        model_state=Inert(),
-        block_tables=Inert(),
-        lora_state=Inert(),
-        sampler=Inert(),
-        kv_connector=Inert(),
-        kv_block_zeroer=None,
-        aux_output_connector=None,
-        is_last_pp_rank=True,
-    )
-    runner.__dict__.update(parts)
-    runner._merge_ec_connector_no_forward = lambda *args: None
-    return runner
-
-
-def _scheduler_output(finished: set[str], new: list[str]) -> SchedulerOutput:
-    output = SchedulerOutput.make_empty()
-    output.finished_req_ids = finished
-    output.scheduled_new_reqs = [
-        SimpleNamespace(
-            req_id=rid,
-            prefill_token_ids=[1, 2, 3],
-            prompt_len=3,
-            sampling_params=None,
-            num_computed_tokens=0,
-            block_ids=(),
-            lora_request=None,
-            mm_features=[],
-        )
-        for rid in new
-    ]
-    return output
-
-
-def _sample_tokens_tail(runner: GPUModelRunner, batch: Any) -> None:
-    """What ``sample_tokens`` does around ``propose`` for a remote
-    speculator: select, propose, store unless pending."""
-    deferred = runner.k3_deferred
-    assert deferred is not None
-    deferred.select_step(_runner_view(), batch)
-    drafts = _propose(runner.speculator, batch)
-    if not deferred.pending:
-        runner.store_draft_tokens(batch, drafts, K)
+def _sample_tokens(runner: GPUModelRunner, batch: Any) -> None:
+    """The runner's real ``sample_tokens`` for a step of ``batch``."""
+    sample_tokens(runner, batch, K, seed=int(batch.positions[0]))
 
 
 # ------------------------------------------------------------ ordering
 
 
 def test_pending_reply_is_stored_before_finish_free_and_add(
-    make_speculator, scripted_server
+    make_speculator, scripted_server, make_runner
 ):
     log: list[tuple] = []
     speculator, _ = make_speculator(scripted_server.address)
     _deferred(speculator)
-    runner = _runner(speculator, log)
-    runner.execute_model(_scheduler_output(set(), ["old", "keep"]))
+    runner = make_runner(speculator, log, K)
+    runner.execute_model(scheduler_output(set(), ["old", "keep"]))
     slots = [runner.req_states.req_id_to_index[r] for r in ("old", "keep")]
     batch = _batch(["old", "keep"], slots)
-    _sample_tokens_tail(runner, batch)
+    _sample_tokens(runner, batch)
     assert runner.k3_deferred.pending
     assert not [e for e in log if e[0] in ("store", "output_copy")]
 
     # "old" finishes and "new" takes its slot in the same step.
-    runner.execute_model(_scheduler_output({"old"}, ["new"]))
+    runner.execute_model(scheduler_output({"old"}, ["new"]))
     events = [e for e in log if e[0] != "add" or e[1] == "new"]
     kinds = [e[0] for e in events]
     assert kinds == ["store", "output_copy", "remove", "add"]
@@ -501,20 +385,22 @@ def test_pending_reply_is_stored_before_finish_free_and_add(
     assert (runner.req_states.draft_tokens.data[slots] == 5).all()
 
 
-def test_a_reused_slot_never_receives_the_old_draft(make_speculator, scripted_server):
+def test_a_reused_slot_never_receives_the_old_draft(
+    make_speculator, scripted_server, make_runner
+):
     """Over several steps with churn, every store lands only in slots owned
     by the requests the draft was proposed for."""
     log: list[tuple] = []
     speculator, _ = make_speculator(scripted_server.address)
     _deferred(speculator)
-    runner = _runner(speculator, log)
+    runner = make_runner(speculator, log, K)
     live = ["r0", "r1"]
-    runner.execute_model(_scheduler_output(set(), live))
+    runner.execute_model(scheduler_output(set(), live))
     for step in range(1, 5):
         slots = [runner.req_states.req_id_to_index[r] for r in live]
-        _sample_tokens_tail(runner, _batch(live, slots, start=10 * step))
+        _sample_tokens(runner, _batch(live, slots, start=10 * step))
         gone, fresh = live[0], f"r{step + 1}"
-        runner.execute_model(_scheduler_output({gone}, [fresh]))
+        runner.execute_model(scheduler_output({gone}, [fresh]))
         live = [*live[1:], fresh]
     for event in log:
         if event[0] == "store":
@@ -529,16 +415,16 @@ def test_a_reused_slot_never_receives_the_old_draft(make_speculator, scripted_se
 
 
 def test_failed_reply_yields_no_draft_and_disables_the_requests(
-    make_speculator, scripted_server, monkeypatch
+    make_speculator, scripted_server, monkeypatch, make_runner
 ):
     log: list[tuple] = []
     speculator, _ = make_speculator(scripted_server.address)
     _deferred(speculator)
-    runner = _runner(speculator, log)
-    runner.execute_model(_scheduler_output(set(), ["a", "b"]))
+    runner = make_runner(speculator, log, K)
+    runner.execute_model(scheduler_output(set(), ["a", "b"]))
     slots = [runner.req_states.req_id_to_index[r] for r in ("a", "b")]
-    _sample_tokens_tail(runner, _batch(["a", "b"], slots))
-    runner.execute_model(_scheduler_output(set(), []))
+    _sample_tokens(runner, _batch(["a", "b"], slots))
+    runner.execute_model(scheduler_output(set(), []))
     assert (runner.req_states.draft_tokens.data[slots] == 5).all()
     assert not any(s.stale for s in speculator.plan.retained.values())
 
@@ -546,9 +432,9 @@ def test_failed_reply_yields_no_draft_and_disables_the_requests(
         raise RuntimeError("reply thread crashed")
 
     monkeypatch.setattr(speculator, "exchange", broken)
-    _sample_tokens_tail(runner, _batch(["a", "b"], slots, start=20))
+    _sample_tokens(runner, _batch(["a", "b"], slots, start=20))
     step = threading.Thread(
-        target=runner.execute_model, args=(_scheduler_output(set(), []),), daemon=True
+        target=runner.execute_model, args=(scheduler_output(set(), []),), daemon=True
     )
     step.start()
     step.join(30)
@@ -556,6 +442,45 @@ def test_failed_reply_yields_no_draft_and_disables_the_requests(
     assert (runner.req_states.draft_tokens.data[slots] == -1).all()
     assert log[-1] == ("output_copy", ["a", "b"])
     assert all(speculator.plan.retained[r].stale for r in ("a", "b"))
+
+
+def test_a_step_that_resolves_synchronously_stores_its_drafts_at_once(
+    make_speculator, scripted_server, make_runner
+):
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)  # not warmed up: synchronous
+    runner = make_runner(speculator, log, K)
+    runner.execute_model(scheduler_output(set(), ["a"]))
+    slot = runner.req_states.req_id_to_index["a"]
+    _sample_tokens(runner, _batch(["a"], [slot]))
+    assert runner.k3_deferred is not None and not runner.k3_deferred.pending
+    assert log[-2:] == [("store", ["a"], [slot]), ("output_copy", ["a"])]
+    assert (runner.req_states.draft_tokens.data[slot] == 5).all()
+
+
+def test_steps_defer_only_after_the_worker_s_kernel_warm_up(
+    make_speculator, scripted_server, make_runner, make_worker
+):
+    """Warm-up steps resolve synchronously (a kernel first loaded behind a
+    parked stream hangs the process); the steps after the warm-up defer."""
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)
+    runner = make_runner(speculator, log, K)
+    runner.execute_model(scheduler_output(set(), ["a"]))
+    slot = runner.req_states.req_id_to_index["a"]
+    deferred_in_warm_up: list[bool] = []
+
+    def warm_up(model_runner: Any, execute_model: Any, sample_tokens: Any) -> None:
+        _sample_tokens(model_runner, _batch(["a"], [slot]))
+        deferred_in_warm_up.append(model_runner.k3_deferred.pending)
+
+    make_worker(runner, warm_up).compile_or_warm_up_model()
+    assert deferred_in_warm_up == [False]
+    _sample_tokens(runner, _batch(["a"], [slot], start=20))
+    assert runner.k3_deferred is not None and runner.k3_deferred.pending
+    runner.execute_model(scheduler_output(set(), []))
 
 
 @pytest.mark.parametrize(
