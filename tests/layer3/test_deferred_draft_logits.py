@@ -5,9 +5,10 @@
 Two real ``RemoteK3DSparkSpeculator`` with ``draft_sample_method=
 "probabilistic"`` (layer 2's ``RemoteDraftLogits`` extension) drive the same
 steps through a real reference draft server (loopback ZeroMQ, logits
-capability on): one resolves immediately, one deferred. Their draft tokens
-and their whole draft-logits caches must be bit-identical after every step,
-at temperatures > 0, full vocabulary and top-k. Upstream's Triton Gumbel
+capability on): one resolves immediately, one deferred through the runner's
+real ``sample_tokens`` and next ``execute_model`` (``k3_l3_runner``). Their
+draft tokens and their whole draft-logits caches must be bit-identical after
+every step, at temperatures > 0, full vocabulary and top-k. Upstream's Triton Gumbel
 sampler is replaced by layer 2's CPU reference (``k3_l2_reference``).
 
 On CPU ``consume`` waits on the host for the reply, so rank 0 publishes the
@@ -27,6 +28,7 @@ import k3_l2_reference
 import numpy as np
 import pytest
 import torch
+from k3_l3_runner import sample_tokens, scheduler_output
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm.k3_draft import stream_gate
@@ -97,13 +99,24 @@ def _batch(req_ids: list[str], start: int) -> Any:
     )
 
 
+def _temperature() -> torch.Tensor:
+    temperature = torch.zeros(8)
+    temperature[SLOTS] = torch.tensor(TEMPERATURES)
+    return temperature
+
+
+def _seeds() -> torch.Tensor:
+    return torch.arange(8, dtype=torch.int64) * 7919 + 13
+
+
+def _last_sampled(step: int) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.int64).reshape(8, 1) + 40 + step
+
+
 def _propose(speculator: Any, batch: Any, step: int) -> torch.Tensor:
     n, rows = batch.num_reqs, batch.num_tokens
     gen = torch.Generator().manual_seed(step)
     aux = [torch.randn(rows, HIDDEN, generator=gen) for _ in range(NUM_AUX)]
-    temperature = torch.zeros(8)
-    temperature[SLOTS] = torch.tensor(TEMPERATURES)
-    seeds = torch.arange(8, dtype=torch.int64) * 7919 + 13
     return speculator.propose(
         batch,
         {},
@@ -112,12 +125,23 @@ def _propose(speculator: Any, batch: Any, step: int) -> torch.Tensor:
         aux,
         torch.ones(n, dtype=torch.int32),
         torch.zeros(n, dtype=torch.int32),
-        torch.arange(8, dtype=torch.int64).reshape(8, 1) + 40 + step,
+        _last_sampled(step),
         torch.zeros(1, 8, dtype=torch.int32),
-        temperature,
-        seeds,
+        _temperature(),
+        _seeds(),
         num_speculative_tokens=K,
     )
+
+
+def _runner(make_runner: Any, speculator: Any) -> Any:
+    """A runner of ``speculator`` with the sampling state ``_propose`` uses."""
+    return make_runner(speculator, [], K, _temperature(), _seeds())
+
+
+def _sample_tokens(runner: Any, batch: Any, step: int) -> None:
+    """The runner's real ``sample_tokens``: the step ``_propose`` makes."""
+    runner.req_states.last_sampled_tokens = _last_sampled(step)
+    sample_tokens(runner, batch, K, seed=step)
 
 
 def _deferred(speculator: Any, outstanding: bool) -> DeferredResolution:
@@ -148,7 +172,9 @@ def _record_publish(extension: RemoteDraftLogits, monkeypatch) -> list[Any]:
     return payloads
 
 
-def _fail_consume(extension: RemoteDraftLogits, monkeypatch) -> None:
+def _fail_consume(
+    extension: RemoteDraftLogits, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(*args: Any) -> Any:
         raise ProtocolError("injected: logits frame refused")
 
@@ -190,6 +216,7 @@ def test_layer_2_extension_is_deferral_safe_others_are_not(
 @pytest.mark.parametrize("topk", [0, 16])
 def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
     make_speculator,
+    make_runner,
     probabilistic,
     reference_server,
     second_reference_server,
@@ -199,37 +226,32 @@ def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
 ):
     """Over several steps, including one whose logits ``consume`` fails in
     both verifiers (layer 2's staging cursor does not advance there); each
-    verifier has its own reference draft server."""
+    verifier has its own reference draft server. The deferred one runs the
+    runner's ``sample_tokens`` and the next ``execute_model``."""
     monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
     immediate, _ = make_speculator(reference_server.address, probabilistic)
     deferred_spec, _ = make_speculator(second_reference_server.address, probabilistic)
     strategy = _deferred(deferred_spec, outstanding)
+    runner = _runner(make_runner, deferred_spec)
     ext_i, ext_d = _extension(immediate), _extension(deferred_spec)
     published = _record_publish(ext_d, monkeypatch)
     failing_step = 2
     for step in range(6):
         start = 10 + (K + 1) * step
+        with pytest.MonkeyPatch.context() as failing:
+            if step == failing_step:
+                _fail_consume(ext_i, failing)
+                _fail_consume(ext_d, failing)
+            want = _propose(immediate, _batch(["i0", "i1"], start), step).clone()
+            _sample_tokens(runner, _batch(["d0", "d1"], start), step)
+            assert strategy.pending
+            runner.execute_model(scheduler_output(set(), []))
         if step == failing_step:
-            _fail_consume(ext_i, monkeypatch)
-            _fail_consume(ext_d, monkeypatch)
-        want = _propose(immediate, _batch(["i0", "i1"], start), step).clone()
-        strategy.select_step(_Runner(), _batch(["d0", "d1"], start))
-        _propose(deferred_spec, _batch(["d0", "d1"], start), step)
-        assert strategy.pending
-        got: list[torch.Tensor] = []
-        strategy.consume(lambda batch, drafts, k, got=got: got.append(drafts.clone()))
-        if step == failing_step:
-            monkeypatch.undo()
-            monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
-            monkeypatch.setattr(
-                remote_draft_logits, "gumbel_sample", k3_l2_reference.gumbel_sample
-            )
-            published = _record_publish(ext_d, monkeypatch)
             assert (want == -1).all()
         else:
             assert (want >= 0).all(), "the reference server drafted nothing"
             assert published[-1] is not None
-        assert torch.equal(got[0], want)
+        assert torch.equal(runner.req_states.draft_tokens.data[SLOTS], want)
         assert torch.equal(ext_d.draft_logits, ext_i.draft_logits)
     assert not (ext_d.draft_logits[SLOTS] == FILL).all()
 
@@ -240,15 +262,21 @@ def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
 @pytest.mark.parametrize("outstanding", [False, True])
 @pytest.mark.parametrize("failure", ["reply_thread", "consume"])
 def test_failed_reply_with_logits_publishes_nothing_stale(
-    make_speculator, probabilistic, reference_server, monkeypatch, failure, outstanding
+    make_speculator,
+    make_runner,
+    probabilistic,
+    reference_server,
+    monkeypatch,
+    failure,
+    outstanding,
 ):
     speculator, _ = make_speculator(reference_server.address, probabilistic)
     strategy = _deferred(speculator, outstanding)
+    runner = _runner(make_runner, speculator)
     extension = _extension(speculator)
     published = _record_publish(extension, monkeypatch)
-    strategy.select_step(_Runner(), _batch(["a", "b"], 10))
-    _propose(speculator, _batch(["a", "b"], 10), 0)
-    strategy.consume(lambda *args: None)
+    _sample_tokens(runner, _batch(["a", "b"], 10), 0)
+    runner.execute_model(scheduler_output(set(), []))
     cache = extension.draft_logits.clone()
     assert not (cache[SLOTS] == FILL).all()
     assert not any(s.stale for s in speculator.plan.retained.values())
@@ -261,18 +289,17 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
         monkeypatch.setattr(speculator, "exchange", broken)
     else:
         _fail_consume(extension, monkeypatch)
-    strategy.select_step(_Runner(), _batch(["a", "b"], 14))
-    _propose(speculator, _batch(["a", "b"], 14), 1)
-    stored: list[torch.Tensor] = []
+    _sample_tokens(runner, _batch(["a", "b"], 14), 1)
+    assert strategy.pending
     worker = threading.Thread(
-        target=strategy.consume,
-        args=(lambda batch, drafts, k: stored.append(drafts.clone()),),
+        target=runner.execute_model,
+        args=(scheduler_output(set(), []),),
         daemon=True,
     )
     worker.start()
     worker.join(30)
     assert not worker.is_alive(), "a failed reply did not release the gate"
-    assert stored and (stored[0] == -1).all()
+    assert (runner.req_states.draft_tokens.data[SLOTS] == -1).all()
     assert torch.equal(extension.draft_logits, cache)
     if outstanding:
         # The selected staging, emptied by the reply thread: no sample position.
