@@ -12,6 +12,7 @@ import pytest
 import torch
 from k3_layer1_server import free_tcp_port
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
 
 from vllm.entrypoints.k3_dspark_standalone import build_engine, parse_args, run
 from vllm.k3_draft.engine import DraftLimits, ProposeBatch
@@ -206,6 +207,45 @@ def test_unsupported_checkpoints_are_refused_with_the_reason(
 
 
 @pytest.mark.parametrize(
+    "override, sliding",
+    [
+        (
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+            True,
+        ),
+        ({"use_sliding_window": True, "max_window_layers": 1}, True),
+        ({"use_sliding_window": True, "sliding_window": 64}, False),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": None,
+                "max_window_layers": 0,
+            },
+            False,
+        ),
+        (
+            {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 0},
+            False,
+        ),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, True),
+    ],
+)
+def test_sliding_window_layers_are_resolved_as_qwen3_config_does(
+    tmp_path, override, sliding
+):
+    """Layers Qwen3Config makes sliding (upstream attends causally in a
+    window there) are refused; the others are served as full attention."""
+    draft, _ = write_checkpoints(tmp_path, "dflash", **override)
+    config = Qwen3Config.from_dict(json.loads((draft / "config.json").read_text()))
+    assert ("sliding_attention" in config.layer_types) == sliding
+    if sliding:
+        with pytest.raises(CheckpointError, match="sliding-window layers"):
+            DraftCheckpoint.from_dir(draft)
+    else:
+        assert DraftCheckpoint.from_dir(draft).shape == REFERENCE["dflash"].shape()
+
+
+@pytest.mark.parametrize(
     "extra", ["layers.0.self_attn.q_proj.bias", "layers.9.mlp.up_proj.weight", "x.y"]
 )
 def test_a_draft_tensor_the_engine_cannot_place_is_refused(tmp_path, extra):
@@ -373,6 +413,10 @@ def test_unreadable_checkpoint_files_are_refused_in_one_line(
         ({"intermediate_size": 0}, "intermediate_size must be a positive integer"),
         ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
         ({"num_key_value_heads": 1.5}, "num_key_value_heads must be a positive"),
+        (
+            {"use_sliding_window": True, "max_window_layers": 1.5},
+            "max_window_layers must be a non-negative integer, not 1.5",
+        ),
         ({"dflash_config": [1]}, "config.json"),
         ({"dflash_config": {"target_layer_ids": ["a"]}}, "config.json"),
     ],

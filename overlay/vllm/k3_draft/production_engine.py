@@ -207,6 +207,23 @@ class SafetensorsCheckpoint:
         return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
+def _has_sliding_layers(config: dict[str, Any]) -> bool:
+    """Whether a layer is a sliding-window one, ``layer_types`` resolved as
+    transformers' ``Qwen3Config`` does when the config leaves it out: layers
+    from ``max_window_layers`` (default 28) on slide, given
+    ``use_sliding_window`` and a ``sliding_window`` (default 4096)."""
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return any(t == "sliding_attention" for t in layer_types)
+    if (
+        not config.get("use_sliding_window")
+        or config.get("sliding_window", 4096) is None
+    ):
+        return False
+    first = _config_int(config, "max_window_layers", 28, minimum=0)
+    return first < _config_int(config, "num_hidden_layers")
+
+
 def _refuse_unsupported(config: dict[str, Any]) -> None:
     dflash = config.get("dflash_config") or {}
     reasons = []
@@ -214,7 +231,7 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         reasons.append("attention biases")
     if config.get("is_causal") or dflash.get("causal") or dflash.get("use_swa"):
         reasons.append("causal or sliding-window draft attention")
-    if any(t == "sliding_attention" for t in config.get("layer_types") or ()):
+    if _has_sliding_layers(config):
         reasons.append("sliding-window layers")
     if dflash.get("attention_value_scale") is not None:
         reasons.append("attention_value_scale")
@@ -253,14 +270,18 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         raise CheckpointError("unsupported draft checkpoint: " + ", ".join(reasons))
 
 
-def _config_int(config: dict[str, Any], key: str, default: int | None = None) -> int:
-    """``config[key]`` (``default`` when absent or null) as a positive int."""
+def _config_int(
+    config: dict[str, Any], key: str, default: int | None = None, minimum: int = 1
+) -> int:
+    """``config[key]`` (``default`` when absent or null) as an int of at least
+    ``minimum`` (1 or 0)."""
     value = config.get(key)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "positive" if minimum else "non-negative"
         raise CheckpointError(
-            f"config.json: {key} must be a positive integer, not {value!r}"
+            f"config.json: {key} must be a {kind} integer, not {value!r}"
         )
     return value
 
