@@ -246,7 +246,14 @@ def test_sliding_window_layers_are_resolved_as_qwen3_config_does(
 
 
 @pytest.mark.parametrize(
-    "extra", ["layers.0.self_attn.q_proj.bias", "layers.9.mlp.up_proj.weight", "x.y"]
+    "extra",
+    [
+        "layers.0.self_attn.q_proj.bias",
+        "layers.9.mlp.up_proj.weight",
+        "x.y",
+        # DFlash has no Markov head.
+        "markov_head.markov_w1.weight",
+    ],
 )
 def test_a_draft_tensor_the_engine_cannot_place_is_refused(tmp_path, extra):
     draft, target = write_checkpoints(tmp_path, "dflash")

@@ -440,11 +440,9 @@ class ProductionEngine(TorchDraftEngine):
         unknown = []
         for name in checkpoint.names():
             mapped = _engine_name(name, shape.num_layers)
-            if mapped is None:
+            if mapped is None or mapped[0] not in expected:
                 if not any(part in name for part in _SKIPPED_WEIGHTS):
                     unknown.append(name)
-                continue
-            if mapped[0] not in expected:
                 continue
             engine_name, layer = mapped
             if layer < 0:
