@@ -380,17 +380,41 @@ def _write(text: str):
     return lambda path: path.write_text(text)
 
 
+def _safetensors(header: str, data: bytes = b""):
+    """Writes a safetensors file of this header text and data."""
+    raw = header.encode()
+    return lambda path: path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+_DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
 @pytest.mark.parametrize(
     "relative, damage, reason",
     [
         ("draft/config.json", _remove, "cannot read .*config.json"),
         ("draft/config.json", _write("[1]"), "config.json is not a JSON object"),
         ("draft/config.json", _write("{"), "cannot read .*config.json"),
+        ("draft/config.json", _write(_DEEP_JSON), "cannot read .*config.json"),
         ("draft/model.safetensors", _remove, "cannot read .*model.safetensors"),
         (
             "draft/model.safetensors",
             lambda path: path.write_bytes(b"\x02" + bytes(7) + b"[]"),
             "model.safetensors is not a safetensors file",
+        ),
+        (
+            "draft/model.safetensors",
+            _safetensors(_DEEP_JSON),
+            "model.safetensors is not a safetensors file",
+        ),
+        (
+            "draft/model.safetensors",
+            _safetensors(
+                '{"fc.weight": {"dtype": "F32", "shape": [-4, -4], '
+                '"data_offsets": [0, 64]}}',
+                bytes(64),
+            ),
+            r"fc.weight: negative shape \[-4, -4\]",
         ),
         (
             "target/model-00002-of-00002.safetensors",
@@ -434,3 +458,14 @@ def test_malformed_config_values_are_refused_in_one_line(
     draft, target = write_checkpoints(tmp_path, "dflash", **override)
     message = refusal(caplog, draft, target)
     assert message.startswith("Refusing to serve: ") and reason in message
+
+
+def test_a_layer_tensor_of_another_shape_is_refused_in_one_line(tmp_path, caplog):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    name = "layers.1.self_attn.q_proj.weight"
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, str(draft / "model.safetensors"))
+    assert refusal(caplog, draft, target) == (
+        f"Refusing to serve: {name} has shape [15, 16], expected [16, 16]"
+    )

@@ -124,7 +124,7 @@ def read_json(path: Path) -> Any:
         raw = f.read()
     try:
         return json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
@@ -161,7 +161,7 @@ class SafetensorsCheckpoint:
             raw = f.read(size)
         try:
             header = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path} is not a safetensors file: {exc}") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path} is not a safetensors file")
@@ -195,6 +195,8 @@ class SafetensorsCheckpoint:
             shape = tuple(int(size) for size in entry["shape"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{name}: malformed entry in {path}") from None
+        if any(size < 0 for size in shape):
+            raise CheckpointError(f"{name}: negative shape {list(shape)} in {path}")
         if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{name}: byte range does not match its shape")
         with _reading(path), open(path, "rb") as f:
@@ -445,11 +447,18 @@ class ProductionEngine(TorchDraftEngine):
                     unknown.append(name)
                 continue
             engine_name, layer = mapped
+            tensor = checkpoint.load(name)
             if layer < 0:
-                weights[engine_name] = checkpoint.load(name)
-            else:
-                slots = per_layer.setdefault(engine_name, [None] * shape.num_layers)
-                slots[layer] = checkpoint.load(name)
+                weights[engine_name] = tensor
+                continue
+            layer_shape = expected[engine_name][1:]
+            if tuple(tensor.shape) != layer_shape:
+                raise CheckpointError(
+                    f"{name} has shape {list(tensor.shape)}, "
+                    f"expected {list(layer_shape)}"
+                )
+            slots = per_layer.setdefault(engine_name, [None] * shape.num_layers)
+            slots[layer] = tensor
         if unknown:
             # Upstream's loader refuses them too: dropping one (a bias, a
             # layer past num_hidden_layers) would change the draft silently.
