@@ -354,12 +354,18 @@ def test_cli_builds_the_production_engine(tmp_path):
 
 def refusal(caplog, draft: Path, target: Path) -> str:
     """The one error line of a start-up of these checkpoints that must exit 1
-    (no traceback attached)."""
+    (no traceback attached); one that serves instead is stopped after 60 s."""
     args = production_args(
         draft, target, "--status-port", str(free_tcp_port()), "--address", "inproc://x"
     )
-    with caplog.at_level(logging.ERROR):
-        assert run(args, threading.Event()) == 1
+    stop = threading.Event()
+    timer = threading.Timer(60, stop.set)
+    timer.start()
+    try:
+        with caplog.at_level(logging.ERROR):
+            assert run(args, stop) == 1
+    finally:
+        timer.cancel()
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert record.exc_info is None
     return record.getMessage()
@@ -447,6 +453,21 @@ def test_unreadable_checkpoint_files_are_refused_in_one_line(
         (
             {"use_sliding_window": True, "max_window_layers": 1.5},
             "max_window_layers must be a non-negative integer, not 1.5",
+        ),
+        ({"rms_norm_eps": None}, "rms_norm_eps must be a positive finite number"),
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive finite number"),
+        ({"rms_norm_eps": True}, "rms_norm_eps must be a positive finite number"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive finite"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a positive finite number"),
+        ({"rope_theta": "1e4"}, "rope_theta must be a positive finite number"),
+        ({"rope_theta": float("inf")}, "rope_theta must be a positive finite"),
+        (
+            {"rope_parameters": {"rope_theta": -1.0}},
+            "rope_theta must be a positive finite number, not -1.0",
+        ),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 16.0},
+            "markov_rank must be a positive integer, not 16.0",
         ),
         ({"dflash_config": [1]}, "config.json"),
         ({"dflash_config": {"target_layer_ids": ["a"]}}, "config.json"),

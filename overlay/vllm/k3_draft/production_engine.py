@@ -288,6 +288,22 @@ def _config_int(
     return value
 
 
+def _config_float(
+    config: dict[str, Any], key: str, default: float | None = None
+) -> float:
+    """``config[key]`` (``default`` when absent) as a positive finite float."""
+    value = config.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < math.inf
+    ):
+        raise CheckpointError(
+            f"config.json: {key} must be a positive finite number, not {value!r}"
+        )
+    return float(value)
+
+
 @dataclass(frozen=True)
 class DraftCheckpoint:
     """A draft checkpoint's architecture and the aux layers it consumes."""
@@ -358,6 +374,7 @@ class DraftCheckpoint:
         heads = _config_int(config, "num_attention_heads")
         target_hidden = _config_int(config, "target_hidden_size", hidden)
         rope = config.get("rope_parameters") or {}
+        theta = rope if rope.get("rope_theta") is not None else config
         shape = DraftShape(
             method=method,
             vocab_size=_config_int(config, "vocab_size"),
@@ -369,9 +386,9 @@ class DraftCheckpoint:
             head_dim=_config_int(config, "head_dim"),
             intermediate_size=_config_int(config, "intermediate_size"),
             mask_token_id=get_parallel_drafting_token_id(hf_config),
-            markov_rank=config.get("markov_rank", 0) if method == "dspark" else 0,
-            rope_theta=float(rope.get("rope_theta") or config["rope_theta"]),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            markov_rank=_config_int(config, "markov_rank") if method == "dspark" else 0,
+            rope_theta=_config_float(theta, "rope_theta"),
+            rms_norm_eps=_config_float(config, "rms_norm_eps", 1e-6),
         )
         return cls(path, architecture, shape, tuple(aux_layers), target_hidden)
 
