@@ -163,14 +163,41 @@ def test_checkpoint_config_gives_the_draft_shape(tmp_path, method):
     assert checkpoint.aux_layer_ids == tuple(AUX_LAYERS)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_production_engine_matches_the_same_weights_in_the_reference(tmp_path, method):
-    draft, target = write_checkpoints(tmp_path, method)
+def assert_drafts_as_the_reference(draft: Path, target: Path, method: str) -> None:
     production = ProductionEngine.from_checkpoints(
         LIMITS, str(draft), str(target), torch.device("cpu")
     )
     reference = BF16HeadsReference(LIMITS, REFERENCE[method], torch.device("cpu"))
     torch.testing.assert_close(proposal(production), proposal(reference))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_production_engine_matches_the_same_weights_in_the_reference(tmp_path, method):
+    assert_drafts_as_the_reference(*write_checkpoints(tmp_path, method), method)
+
+
+def test_qwen3_omni_target_heads_are_read_from_the_thinker(tmp_path):
+    draft, target = write_checkpoints(
+        tmp_path, "dspark", architectures=["Qwen3OmniDSparkModel"]
+    )
+    index_path = target / "model.safetensors.index.json"
+    weight_map = json.loads(index_path.read_text())["weight_map"]
+    for name, file in weight_map.items():
+        tensor = load_file(str(target / file))[name]
+        save_file({f"thinker.{name}": tensor}, str(target / file))
+    index = {"weight_map": {f"thinker.{n}": f for n, f in weight_map.items()}}
+    index_path.write_text(json.dumps(index))
+    assert_drafts_as_the_reference(draft, target, "dspark")
+
+
+def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path):
+    """Upstream loads it (or skips it) and drafts without it."""
+    draft, target = write_checkpoints(tmp_path, "dspark", enable_confidence_head=True)
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["confidence_head.proj.weight"] = torch.ones(1, 16)
+    tensors["confidence_head.proj.bias"] = torch.ones(1)
+    save_file(tensors, str(draft / "model.safetensors"))
+    assert_drafts_as_the_reference(draft, target, "dspark")
 
 
 @pytest.mark.parametrize(
@@ -251,8 +278,9 @@ def test_sliding_window_layers_are_resolved_as_qwen3_config_does(
         "layers.0.self_attn.q_proj.bias",
         "layers.9.mlp.up_proj.weight",
         "x.y",
-        # DFlash has no Markov head.
+        # DFlash has neither a Markov nor a confidence head.
         "markov_head.markov_w1.weight",
+        "confidence_head.proj.weight",
     ],
 )
 def test_a_draft_tensor_the_engine_cannot_place_is_refused(tmp_path, extra):

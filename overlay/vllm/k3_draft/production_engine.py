@@ -55,14 +55,22 @@ DRAFT_ARCHITECTURES = {
     "Qwen3DSparkModel": "dspark",
     "Qwen3OmniDSparkModel": "dspark",
 }
+# Qwen3-Omni targets keep their text model under ``thinker.``.
 TARGET_EMBED_NAMES = (
     "model.embed_tokens.weight",
     "model.language_model.embed_tokens.weight",
     "language_model.model.embed_tokens.weight",
+    "thinker.model.embed_tokens.weight",
 )
-TARGET_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
-# Tensors upstream's DFlash loader skips (the target-to-draft vocabulary map).
-_SKIPPED_WEIGHTS = ("t2d",)
+TARGET_LM_HEAD_NAMES = (
+    "lm_head.weight",
+    "language_model.lm_head.weight",
+    "thinker.lm_head.weight",
+)
+# Per method, tensors upstream's loader skips (the target-to-draft
+# vocabulary map) or loads without drafting with them (DSpark's confidence
+# head), by substring as upstream matches them.
+_SKIPPED_WEIGHTS = {"dflash": ("t2d",), "dspark": ("t2d", "confidence_head")}
 _LAYER_WEIGHTS = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -457,10 +465,11 @@ class ProductionEngine(TorchDraftEngine):
         per_layer: dict[str, list[torch.Tensor | None]] = {}
         weights: dict[str, torch.Tensor] = {}
         unknown = []
+        skipped = _SKIPPED_WEIGHTS[shape.method]
         for name in checkpoint.names():
             mapped = _engine_name(name, shape.num_layers)
             if mapped is None or mapped[0] not in expected:
-                if not any(part in name for part in _SKIPPED_WEIGHTS):
+                if not any(part in name for part in skipped):
                     unknown.append(name)
                 continue
             engine_name, layer = mapped
