@@ -233,6 +233,23 @@ def test_unsupported_checkpoints_are_refused_with_the_reason(
         DraftCheckpoint.from_dir(draft)
 
 
+@pytest.mark.parametrize("absent", [True, False])
+def test_kv_heads_default_as_qwen3_config_does(tmp_path, absent):
+    """32 KV heads when num_key_value_heads is absent, as many as attention
+    heads when it is null."""
+    draft, _ = write_checkpoints(
+        tmp_path, "dflash", num_attention_heads=64, num_key_value_heads=None
+    )
+    path = draft / "config.json"
+    config = json.loads(path.read_text())
+    if absent:
+        del config["num_key_value_heads"]
+        path.write_text(json.dumps(config))
+    expected = Qwen3Config.from_dict(config).num_key_value_heads
+    assert expected == (32 if absent else 64)
+    assert DraftCheckpoint.from_dir(draft).shape.num_kv_heads == expected
+
+
 @pytest.mark.parametrize(
     "override, sliding",
     [

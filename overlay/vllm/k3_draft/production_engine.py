@@ -383,6 +383,12 @@ class DraftCheckpoint:
         target_hidden = _config_int(config, "target_hidden_size", hidden)
         rope = config.get("rope_parameters") or {}
         theta = rope if rope.get("rope_theta") is not None else config
+        # Qwen3Config's default: 32 when absent, the attention heads when null.
+        kv_heads = (
+            _config_int(config, "num_key_value_heads", heads)
+            if "num_key_value_heads" in config
+            else 32
+        )
         shape = DraftShape(
             method=method,
             vocab_size=_config_int(config, "vocab_size"),
@@ -390,7 +396,7 @@ class DraftCheckpoint:
             hidden_size=hidden,
             num_layers=_config_int(config, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=_config_int(config, "num_key_value_heads", heads),
+            num_kv_heads=kv_heads,
             head_dim=_config_int(config, "head_dim"),
             intermediate_size=_config_int(config, "intermediate_size"),
             mask_token_id=get_parallel_drafting_token_id(hf_config),
