@@ -220,6 +220,8 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
             "sample_from_anchor",
         ),
         ({"dspark_draft_topk": 1}, "dspark_draft_topk"),
+        ({"eagle_config": {"use_aux_hidden_state": False}}, "without aux hidden"),
+        ({"use_aux_hidden_state": None}, "without aux hidden"),
         # Config classes default these differently: the checkpoint must say.
         ({"rope_theta": None}, "no rope_theta"),
         ({"head_dim": None}, "no head_dim"),

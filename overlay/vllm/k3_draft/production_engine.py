@@ -271,9 +271,10 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         reasons.append("no rope_theta")
     if not config.get("head_dim"):
         reasons.append("no head_dim")
-    if (
-        dflash.get("use_aux_hidden_state", config.get("use_aux_hidden_state", True))
-        is False
+    # Upstream reads it from eagle_config updated by dflash_config.
+    drafter = {**(config.get("eagle_config") or {}), **dflash}
+    if not drafter.get(
+        "use_aux_hidden_state", config.get("use_aux_hidden_state", True)
     ):
         reasons.append("drafting without aux hidden states")
     if reasons:
