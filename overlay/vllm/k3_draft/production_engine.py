@@ -493,8 +493,9 @@ class ProductionEngine(TorchDraftEngine):
             slots = per_layer.setdefault(engine_name, [None] * shape.num_layers)
             slots[layer] = tensor
         if unknown:
-            # Upstream's loader refuses them too: dropping one (a bias, a
-            # layer past num_hidden_layers) would change the draft silently.
+            # Dropping one (a layer past num_hidden_layers, a bias) could
+            # change the draft silently. Upstream refuses most; a bias its
+            # model lacks it skips, which is refused here all the same.
             raise CheckpointError(
                 f"the draft checkpoint has {len(unknown)} tensors this engine "
                 f"cannot place, e.g. {sorted(unknown)[:3]}"
