@@ -385,6 +385,61 @@ def test_pending_reply_is_stored_before_finish_free_and_add(
     assert (runner.req_states.draft_tokens.data[slots] == 5).all()
 
 
+class TwoRankBroadcasts:
+    """The TP group of two ranks in one process: rank 0's broadcasts are
+    posted and rank 1's receive them in posting order (collectives pair in
+    the order each rank posts them). Each broadcast is logged."""
+
+    def __init__(self) -> None:
+        self.posted: list[torch.Tensor] = []
+
+    def group(self, rank: int, log: list[tuple]) -> Any:
+        def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+            log.append(("broadcast",))
+            if rank == 0:
+                self.posted.append(tensor.clone())
+            elif self.posted:
+                tensor.copy_(self.posted.pop(0))
+            return tensor
+
+        return SimpleNamespace(rank_in_group=rank, broadcast=broadcast)
+
+
+def test_a_rank_without_a_plan_defers_in_the_same_order_as_rank_0(
+    make_speculator, scripted_server, make_runner, monkeypatch
+):
+    """A TP rank other than 0 has no plan and no reply to wait for; it still
+    records the pending proposal and resolves it (broadcast from rank 0,
+    store, output copy) at the next ``execute_model``, as rank 0 does."""
+    broadcasts = TwoRankBroadcasts()
+    logs: list[list[tuple]] = [[], []]
+    runners = []
+    for rank in (0, 1):
+        speculator, _ = make_speculator(scripted_server.address)
+        if rank == 1:
+            speculator.plan.client.close()
+            monkeypatch.setattr(speculator, "plan", None)
+        monkeypatch.setattr(speculator, "tp_group", broadcasts.group(rank, logs[rank]))
+        _deferred(speculator)
+        runners.append(make_runner(speculator, logs[rank], K))
+    for runner in runners:
+        runner.execute_model(scheduler_output(set(), ["a", "b"]))
+    slots = [runners[0].req_states.req_id_to_index[r] for r in ("a", "b")]
+
+    for runner in runners:
+        _sample_tokens(runner, _batch(["a", "b"], slots))
+    assert [runner.k3_deferred.pending for runner in runners] == [True, True]
+    assert logs[1] == logs[0]
+
+    for runner in runners:
+        runner.execute_model(scheduler_output({"a"}, ["c"]))
+    kinds = [e[0] for e in logs[1] if e[0] != "add" or e[1] == "c"]
+    assert kinds == ["broadcast", "store", "output_copy", "remove", "add"]
+    assert logs[1] == logs[0]
+    # Rank 0's drafts (the scripted server's 5s) reached rank 1's slots.
+    assert (runners[1].req_states.draft_tokens.data[slots] == 5).all()
+
+
 def test_a_reused_slot_never_receives_the_old_draft(
     make_speculator, scripted_server, make_runner
 ):
