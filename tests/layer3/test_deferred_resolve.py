@@ -117,6 +117,22 @@ def test_select_step_reads_the_runner(
     strategy.consume(lambda *args: None)
 
 
+def test_a_step_under_cuda_graph_capture_resolves_synchronously(
+    make_speculator, scripted_server, monkeypatch
+):
+    speculator, _ = make_speculator(scripted_server.address)
+    strategy = _deferred(speculator)
+    batch = _batch(["a", "b"], [3, 5])
+    # The runner selects the step while its CUDA stream is capturing.
+    monkeypatch.setattr(speculator, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    strategy.select_step(_runner_view(), batch)
+    monkeypatch.setattr(speculator, "device", torch.device("cpu"))
+    drafts = _propose(speculator, batch)
+    assert not strategy.pending
+    assert (drafts == 5).all()
+
+
 def test_switch_zero_keeps_the_synchronous_path(
     make_speculator, scripted_server, monkeypatch
 ):
