@@ -7,6 +7,8 @@ returns. The request table is ``toy_target.TokenTable`` (upstream's
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -106,6 +108,39 @@ def test_fewer_tokens_fill_the_rest_with_no_draft(make_speculator, scripted_serv
     drafts = _propose(speculator, num_speculative_tokens=2)
     assert (drafts[:, :2] == 5).all() and (drafts[:, 2] == -1).all()
     assert scripted_server.log[-1][1]["num_speculative_tokens"] == 2
+
+
+def _timing_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("Remote draft over ")
+    ]
+
+
+def test_timing_is_logged_every_interval_proposals(
+    make_speculator, scripted_server, monkeypatch, caplog
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_TIMING_LOG_INTERVAL", "2")
+    speculator, _ = make_speculator(scripted_server.address)
+    counts = []
+    with caplog.at_level(logging.INFO, logger="vllm.k3_draft.plan"):
+        for _ in range(4):
+            _propose(speculator)
+            counts.append(len(_timing_lines(caplog)))
+    assert counts == [0, 1, 1, 2]
+    # The means over the interval: the scripted server reports 0.1 ms.
+    assert "Remote draft over 2 proposals" in _timing_lines(caplog)[0]
+    assert "server 0.100 ms" in _timing_lines(caplog)[0]
+
+
+def test_timing_is_not_logged_by_default(make_speculator, scripted_server, caplog):
+    speculator, _ = make_speculator(scripted_server.address)
+    with caplog.at_level(logging.INFO, logger="vllm.k3_draft.plan"):
+        for _ in range(3):
+            _propose(speculator)
+    assert scripted_server.ops().count("PROPOSE") == 3
+    assert _timing_lines(caplog) == []
 
 
 def test_incompatible_server_is_refused_at_init(make_speculator, scripted_server):
