@@ -12,8 +12,10 @@ driver). Checks, bit for bit on tokens and caches:
   masked rows, greedy and sampled temperatures, 64-bit seeds; fp32 and fp64
   noise) against ``k3_l2_reference.gumbel_sample``;
 * ``rejection_sample(use_block_verification=True)`` with draft logits
-  against ``k3_l2_reference.block_rejection_sample`` (the interpreter has no
-  ``libdevice.log1p``; it is given ``log(1 + x)``);
+  against ``k3_l2_reference.block_rejection_sample``, on full-vocabulary
+  caches and on top-k slices over the large negative fill (temperatures
+  down to 0.5, where the scaled fill is -inf in fp32); the interpreter has
+  no ``libdevice.log1p``, it is given ``log(1 + x)``;
 * ``RemoteDraftLogits.publish`` driving upstream's ``gumbel_sample`` against
   the same publish driving the reference (full vocabulary and top-k).
 """
@@ -30,6 +32,10 @@ import torch
 from vllm.triton_utils import tl, triton
 
 V, K = 40, 3
+# Vocabulary of the top-k rejection check: two of the rejection kernel's
+# vocabulary blocks, so that (as at Kimi's 163,840) slots have whole blocks
+# holding only the fill.
+VOCAB_BLOCK, TOPK_V = 8192, 9000
 
 
 @triton.jit
@@ -76,25 +82,48 @@ def _check_gumbel(use_fp64: bool) -> None:
     print(f"gumbel_sample fp64={use_fp64}: {rows} rows match")
 
 
-def _check_rejection(use_fp64: bool) -> None:
+def _check_rejection(use_fp64: bool, topk: int) -> None:
+    """``topk`` = 0: full-vocabulary draft logits over ``V`` tokens.
+    ``topk`` > 0: over ``TOPK_V`` tokens the cache holds, per slot, the
+    ``topk`` largest logits scattered over ``remote_draft_logits.FILL``, as
+    ``publish`` stages a top-k reply; one vocabulary block or the other is
+    all fill, and a third of the requests run at temperature 0.5, where
+    ``FILL / T`` is -inf in fp32."""
     from k3_l2_reference import block_rejection_sample
 
     import vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils as utils
+    from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import FILL
 
     utils.tldevice = types.SimpleNamespace(log1p=_log1p)  # type: ignore[assignment]
-    generator = torch.Generator().manual_seed(11 + use_fp64)
-    reqs, rows = 24, K + 1
+    generator = torch.Generator().manual_seed(11 + use_fp64 + 2 * topk)
+    # The resample kernel runs one interpreted program per 1024 tokens: fewer
+    # requests over the larger vocabulary.
+    vocab, reqs, rows = (TOPK_V, 12, K + 1) if topk else (V, 24, K + 1)
     idx = torch.randperm(32, generator=generator)[:reqs]
     temperature = 0.3 + torch.rand(32, generator=generator) * 1.7
     seeds = torch.randint(-(2**62), 2**62, (32,), generator=generator)
-    draft = (torch.randn(32, K, V, generator=generator) * 2).bfloat16()
-    # Target rows near the draft so that some blocks are accepted.
-    bonus = torch.randn(reqs, 1, V, generator=generator) * 2
-    target = torch.cat([draft[idx].float(), bonus], 1)
-    target = target + torch.randn(reqs, rows, V, generator=generator) * 0.7
-    target = (target / temperature[idx][:, None, None]).view(-1, V)
+    draft = (torch.randn(32, K, vocab, generator=generator) * 2).bfloat16()
+    if topk:
+        temperature[::3] = 0.5
+        # Logits mostly below zero, so that reading the fill as a zero logit
+        # would move q; every fourth request keeps its top-k in the second
+        # block.
+        draft -= 6
+        draft[::4, :, VOCAB_BLOCK:] += 8
+        top = draft.float().topk(topk, -1).indices
+        draft = torch.full_like(draft, FILL).scatter_(-1, top, draft.gather(-1, top))
+        for in_block in ((top < VOCAB_BLOCK)[idx], (top >= VOCAB_BLOCK)[idx]):
+            assert not in_block.any(-1).all(), "no slot has this block all fill"
+        assert (temperature[idx] == 0.5).any()
+    # Target rows near the draft (finite where the draft is the fill) so
+    # that some blocks are accepted.
+    bonus = torch.randn(reqs, 1, vocab, generator=generator) * 2
+    target = torch.cat([draft[idx].float().clamp(min=-20.0), bonus], 1)
+    target = target + torch.randn(reqs, rows, vocab, generator=generator) * 0.7
+    target = (target / temperature[idx][:, None, None]).view(-1, vocab)
     q = torch.softmax(draft[idx].float() / temperature[idx][:, None, None], -1)
-    drafts = torch.multinomial(q.view(-1, V), 1, generator=generator).view(reqs, K)
+    drafts = torch.multinomial(q.view(-1, vocab), 1, generator=generator)
+    drafts = drafts.view(reqs, K)
     draft_sampled = torch.cat([torch.zeros(reqs, 1, dtype=torch.long), drafts], 1)
     pos = torch.randint(0, 1 << 20, (reqs, 1), generator=generator) + torch.arange(rows)
     args = (
@@ -118,7 +147,7 @@ def _check_rejection(use_fp64: bool) -> None:
     emitted = torch.arange(rows)[None, :] < want_num[:, None]
     assert torch.equal(got[emitted], want[emitted]), (got, want)
     print(
-        f"rejection_sample fp64={use_fp64}: {reqs} requests match "
+        f"rejection_sample fp64={use_fp64} top-k={topk}: {reqs} requests match "
         f"(accepted lengths {sorted(set((want_num - 1).tolist()))})"
     )
 
@@ -189,7 +218,8 @@ def main() -> None:
         raise SystemExit("Triton is disabled: set CUDA_VISIBLE_DEVICES to ''")
     for use_fp64 in (False, True):
         _check_gumbel(use_fp64)
-        _check_rejection(use_fp64)
+        for topk in (0, 4):
+            _check_rejection(use_fp64, topk)
     for topk in (0, 5):
         _check_publish(topk)
     print("all interpreted checks passed")
