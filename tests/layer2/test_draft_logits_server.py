@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The server half of the draft-logits capabilities, against a real draft
-server process (layer 1's reference engine, CPU, ipc on this host)."""
+"""The server half of the draft-logits capabilities, against real draft
+server processes (layer 1's reference engine, CPU): DFlash on ipc, DSpark on
+loopback TCP."""
 
 from __future__ import annotations
 
@@ -15,17 +16,21 @@ from k3_layer1_server import (
     DEFAULT_OPTIONS,
     DraftServerProcess,
     RawClient,
+    context_frames,
     entry,
+    free_tcp_port,
     propose_message,
 )
 
 from vllm.k3_draft import protocol
+from vllm.k3_draft.engine import DraftLimits, ProposeBatch
 from vllm.k3_draft.logits_codec import (
     CAPABILITY_FULL,
     CAPABILITY_TOPK,
     LogitsFormat,
     decode_logits,
 )
+from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
 
 VOCAB = DEFAULT_OPTIONS["vocab_size"]
 WIDTH = DEFAULT_OPTIONS["context_width"]
@@ -39,6 +44,20 @@ def client(reference_server: DraftServerProcess) -> Iterator[RawClient]:
     raw.call(protocol.OP_CLEAR)
     yield raw
     raw.close()
+
+
+@pytest.fixture(scope="module")
+def dspark_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawClient]:
+    """A DSpark reference server on a loopback TCP port."""
+    server = DraftServerProcess(
+        tmp_path_factory.mktemp("l2-dspark"),
+        address=f"tcp://127.0.0.1:{free_tcp_port()}",
+        method="dspark",
+    ).start()
+    raw = RawClient(server.address)
+    yield raw
+    raw.close()
+    server.stop()
 
 
 def _propose(
@@ -130,3 +149,91 @@ def test_malformed_logits_fields_are_refused_before_any_state_changes(
     )
     assert not header["ok"] and match in header["error"] and frames == []
     assert client.call(protocol.OP_PING)[0]["active_requests"] == 0
+
+
+def _dspark_oracle_logits(entries: list[dict]) -> torch.Tensor:
+    """The DSpark reference draft's float32 logits ``[R, K, V]`` (its head:
+    each slot's logits plus the low-rank Markov bias of the slot before's
+    argmax), one request at a time, from ``propose_message``'s context rows."""
+    opts = DEFAULT_OPTIONS
+    limits = DraftLimits(
+        max_requests=1,
+        max_batch_size=1,
+        max_speculative_tokens=opts["max_speculative_tokens"],
+        max_context_tokens=opts["max_context_tokens"],
+        max_model_len=MAX_LEN,
+        block_size=opts["block_size"],
+        window_size=opts["window_size"],
+        prefix_cache_tokens=opts["prefix_cache_tokens"],
+    )
+    fields = ("vocab_size", "context_width", "hidden_size", "num_layers")
+    model = ReferenceModelConfig(
+        "dspark", *(opts[f] for f in fields), opts["num_heads"], opts["seed"]
+    )
+    engine = ReferenceEngine(limits, model, torch.device("cpu"))
+    engine.load()
+    runs = [
+        (e["anchor_position"] - e["context_count"], e["context_count"]) for e in entries
+    ]
+    frames = context_frames(runs, WIDTH)
+    positions = torch.frombuffer(bytearray(frames[0]), dtype=torch.int64)
+    rows = torch.frombuffer(bytearray(frames[1]), dtype=torch.bfloat16)
+    rows = rows.view(-1, WIDTH)
+    logits, first = [], 0
+    for e, (start, count) in zip(entries, runs):
+        output = engine.propose(
+            ProposeBatch(
+                num_speculative_tokens=K,
+                slots=[0],
+                starts=[start],
+                ends=[start + count],
+                anchor_token_ids=[e["anchor_token_id"]],
+                counts=[count],
+                positions=positions[first : first + count],
+                rows=rows[first : first + count],
+                want_logits=True,
+            )
+        )
+        assert output.logits is not None
+        logits.append(output.logits[0].float())
+        first += count
+    return torch.stack(logits)
+
+
+def test_dspark_pong_advertises_both_capabilities(dspark_client):
+    pong, _ = dspark_client.call(protocol.OP_PING)
+    assert pong["method"] == "dspark"
+    assert pong["capabilities"] == [CAPABILITY_FULL, CAPABILITY_TOPK]
+
+
+def test_dspark_full_and_topk_logits_are_its_heads_and_describe_the_drafts(
+    dspark_client,
+):
+    anchors = [20, 12]
+    entries = [
+        entry("da", anchors[0], count=20, reset=True),
+        entry("db", anchors[1], count=12, reset=True, anchor_token_id=99),
+    ]
+    header, frames = _propose(dspark_client, entries, return_logits=True)
+    assert header["ok"] and len(frames) == 1, header
+    full = _logits_of(header, frames, LogitsFormat(VOCAB, 0), anchors)
+    values = _bf16(full.values)
+    tokens = torch.tensor(header["tokens"])
+    # The Markov head's logits, bf16 on the wire (one ulp of rounding apart
+    # from the batched server's float32), not the per-slot logits alone.
+    expected = _dspark_oracle_logits(entries)
+    torch.testing.assert_close(values, expected, rtol=2.0**-7, atol=2.0**-7)
+    # Drafted greedily: every drafted token is its slot's maximum.
+    assert torch.equal(values.gather(-1, tokens[..., None])[..., 0], values.amax(-1))
+    assert full.positions.tolist() == [[21, 22, 23], [13, 14, 15]]
+    again = [dict(e, reset=False, context_count=0) for e in entries]
+    header, frames = _propose(dspark_client, again, return_logits=True, logits_topk=8)
+    assert header["ok"] and header["tokens"] == tokens.tolist(), header
+    topk = _logits_of(header, frames, LogitsFormat(VOCAB, 8), anchors)
+    assert topk.ids is not None
+    ids = torch.from_numpy(topk.ids.astype(np.int64))
+    assert torch.equal(_bf16(topk.values), values.gather(-1, ids))
+    assert torch.equal(
+        _bf16(topk.values).sort(-1).values, values.topk(8, -1).values.sort(-1).values
+    )
+    assert (ids == tokens[..., None]).any(-1).all()
