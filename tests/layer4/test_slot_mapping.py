@@ -6,6 +6,7 @@ rank's tokens. The real Triton kernel runs under Triton's CPU interpreter and
 is checked against the pure-Python reference of its arithmetic; the same cases
 run on the GPU in test_slot_mapping_gpu.py."""
 
+import importlib.util
 import subprocess
 import sys
 import types
@@ -83,6 +84,55 @@ def test_block_tables_launch_the_layer_kernel() -> None:
     assert kernel_path().samefile(installed)
 
 
+class HostUvaBuffer:
+    """UVA needs a CUDA driver: host memory stands in."""
+
+    def __init__(self, size: int, dtype: torch.dtype) -> None:
+        self.cpu = torch.zeros(size, dtype=dtype)
+        self.np = self.cpu.numpy()
+
+    def uva(self, n: int | None = None) -> torch.Tensor:
+        return self.cpu[:n]
+
+
+def use_host_memory_for_uva(
+    monkeypatch: pytest.MonkeyPatch, buffer_utils: types.ModuleType
+) -> None:
+    monkeypatch.setattr(buffer_utils, "UvaBuffer", HostUvaBuffer)
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: True)
+
+
+def load_module_from(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def interpreted_block_table() -> types.ModuleType:
+    """The installed ``block_table`` (and the ``buffer_utils`` it takes its
+    pointer loads and buffers from) executed with its ``@triton.jit`` kernels
+    interpreted: on a CPU vLLM hands it Triton placeholders, so the real
+    Triton is put where it imports ``tl`` and ``triton`` from."""
+    import vllm.triton_utils
+    from vllm.v1.worker.gpu import buffer_utils
+
+    triton = pytest.importorskip("triton", reason="the gather kernel is Triton")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        patch.setattr(vllm.triton_utils, "triton", triton)
+        patch.setattr(vllm.triton_utils, "tl", triton.language)
+        buffers = load_module_from("_k3l4_interpreted_buffers", buffer_utils.__file__)
+        patch.setitem(sys.modules, buffer_utils.__name__, buffers)
+        module = load_module_from("_k3l4_interpreted_block_table", block_table.__file__)
+    kernel = module._gather_block_tables_kernel
+    assert type(kernel).__name__ == "InterpretedFunction"
+    return module
+
+
 @pytest.mark.parametrize(
     ("interleave", "sharded"),
     [(1, SPEC_SHARDED), (2, [PAD, PAD, PAD, PAD, 320, 321, PAD, PAD])],
@@ -97,16 +147,7 @@ def test_block_tables_map_slots_with_their_cp_geometry(
     size 4, rank 2) hands the kernel its rank, size and interleave in order."""
     from vllm.v1.worker.gpu import buffer_utils
 
-    class HostUvaBuffer:  # UVA needs a CUDA driver: host memory stands in
-        def __init__(self, size: int, dtype: torch.dtype) -> None:
-            self.cpu = torch.zeros(size, dtype=dtype)
-            self.np = self.cpu.numpy()
-
-        def uva(self, n: int | None = None) -> torch.Tensor:
-            return self.cpu[:n]
-
-    monkeypatch.setattr(buffer_utils, "UvaBuffer", HostUvaBuffer)
-    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: True)
+    use_host_memory_for_uva(monkeypatch, buffer_utils)
     monkeypatch.setattr(
         block_table, "compute_slot_mappings", interpreted_kernels.compute_slot_mappings
     )
@@ -135,6 +176,40 @@ def test_block_tables_map_slots_with_their_cp_geometry(
     assert slots.tolist() == case.expected()
     assert slots[0, :8].tolist() == sharded
     assert slots[1, :8].tolist() == SPEC_REPLICATED
+
+
+def test_block_tables_gather_nulls_stale_replicated_blocks_under_cp(
+    interpreted_block_table: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under DCP (size 4) the real ``BlockTables.gather_block_tables`` nulls a
+    replicated sliding-window group's blocks wholly below the window (its
+    column j holds tokens [16j, 16j + 16)), and leaves the sharded group's row
+    whole (its column j holds tokens of [64j, 64j + 64), no window bound)."""
+    buffers = sys.modules[interpreted_block_table.UvaBackedTensor.__module__]
+    use_host_memory_for_uva(monkeypatch, buffers)
+    tables = interpreted_block_table.BlockTables(
+        block_sizes=[16, 16],
+        max_num_reqs=1,
+        max_num_batched_tokens=8,
+        max_num_blocks_per_group=[4, 4],
+        device=torch.device("cpu"),
+        cp_size=4,
+        cp_rank=1,
+        dcp_sharded=[True, False],
+        sliding_window_reach=[16, 16],
+    )
+    for table in tables.block_tables:
+        table.gpu[0] = torch.tensor([11, 12, 13, 14], dtype=torch.int32)
+    tables.num_blocks.np[:, 0] = 4
+    tables.num_blocks.copy_to_uva()
+    # First scheduled position 48, window reach 16: tokens below 32 are out.
+    sharded, replicated = tables.gather_block_tables(
+        torch.tensor([0], dtype=torch.int32),
+        num_reqs_padded=1,
+        num_computed_tokens=torch.tensor([48], dtype=torch.int32),
+    )
+    assert replicated.tolist() == [[0, 0, 13, 14]]
+    assert sharded.tolist() == [[11, 12, 13, 14]]
 
 
 def test_sliding_window_masking_is_kept_for_replicated_groups_under_cp() -> None:
