@@ -328,7 +328,15 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
     from vllm.v1.attention.ops import k3_fused_mla_verify as kernel
 
-    for dcp in (1, 2):
+    # fp16 stands in for bf16, which the interpreter (numpy) cannot compute.
+    # The fp8 e4m3 cache carries a scale other than one: the routed call must
+    # hand the kernel the layer's k_scale.
+    cases = [
+        (1, torch.float16, 1.0),
+        (2, torch.float16, 1.0),
+        (2, torch.float8_e4m3fn, 0.05),
+    ]
+    for dcp, kv_dtype, k_scale in cases:
         builder = _builder(model_dir, monkeypatch, dcp=dcp, max_num_seqs=4)
         seq_lens, qlen = [5, 40], 3
         # Under DCP the step carries this rank's shares as well (the kernel
@@ -340,15 +348,16 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
         plan = meta.decode.verify_plan
         gen = torch.Generator().manual_seed(dcp)
         heads = 2 * dcp
-        q = torch.randn(6, heads, 576, generator=gen).bfloat16()
-        kv = torch.randn(8, 16, 576, generator=gen).bfloat16()
+        q = torch.randn(6, heads, 576, generator=gen).half()
+        kv = torch.randn(8, 16, 576, generator=gen).to(kv_dtype)
         impl = object.__new__(TritonMLAImpl)
         impl.scale, impl.dcp_rank, impl.kv_lora_rank = 0.05, dcp - 1, 512
         impl.dcp_world_size = dcp
-        layer = SimpleNamespace(_k_scale=torch.ones(1))
+        layer = SimpleNamespace(_k_scale=torch.tensor([k_scale]))
         o, lse = impl.forward_mqa(q, kv, meta, layer)
         ref_o = torch.empty_like(o)
         ref_lse = torch.empty_like(lse)
+        is_fp8 = kv_dtype == torch.float8_e4m3fn
         ws = torch.empty(kernel.workspace_numel(6, heads, plan.num_kv_splits))
         kernel.fused_mla_verify_decode(
             q,
@@ -361,6 +370,7 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
             query_len=qlen,
             sm_scale=0.05,
             num_kv_splits=plan.num_kv_splits,
+            k_scale=torch.tensor([k_scale]) if is_fp8 else None,
             dcp_size=dcp,
             dcp_rank=dcp - 1,
             cp_interleave=1,
