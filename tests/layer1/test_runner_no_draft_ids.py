@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from k3_layer1_server import free_tcp_port
+from k3_runner_stubs import FakeEplb, Inert
 from toy_target import HIDDEN, NUM_AUX, make_input_batch
 
 from vllm.config import CUDAGraphMode
@@ -36,21 +37,9 @@ K = 3
 LAST_SAMPLED = 42
 
 
-class Inert:
-    """Any method call is accepted and ignored (runner parts not under test)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
 class FakeModelState(Inert):
     def prepare_inputs(self, *args: Any) -> dict[str, Any]:
         return {}
-
-
-class FakeEplb(Inert):
-    def suppress(self) -> Any:
-        return nullcontext()
 
 
 class EmbeddingModel(torch.nn.Module):

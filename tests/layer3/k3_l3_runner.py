@@ -17,13 +17,13 @@ given stand-in of upstream's kernel warm-up (``warmup_kernels``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from k3_runner_stubs import FakeEplb, Inert
 from toy_target import HIDDEN, NUM_AUX
 
 from vllm.config import CompilationMode
@@ -103,13 +103,6 @@ class RecordingHandler:
         self.log.append(("output_copy", list(input_batch.req_ids)))
 
 
-class Inert:
-    """Any method call is accepted and ignored (runner parts not under test)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
 class FakeSampler(Inert):
     """The sampling state ``sample_tokens`` hands to ``propose``."""
 
@@ -118,11 +111,6 @@ class FakeSampler(Inert):
             temperature=SimpleNamespace(gpu=temperature),
             seeds=SimpleNamespace(gpu=seeds),
         )
-
-
-class FakeEplb(Inert):
-    def suppress(self) -> Any:
-        return nullcontext()
 
 
 class FakeAsyncOutput:
