@@ -81,54 +81,71 @@ def plan(source: RequestState, prefix_end: int, request_id: str = "new", free=1)
 
 
 def test_restore_starts_at_the_block_aligned_window_start():
-    result = plan(RequestState(0, 0, 160, 160, 0), prefix_end=150)
+    result = plan(RequestState(0, 0, 160, 160, 0, 0), prefix_end=150)
     assert result.restored_start == 80
 
 
 def test_restore_starts_no_earlier_than_the_source_start():
-    result = plan(RequestState(0, 140, 200, 200, 140), prefix_end=150)
+    result = plan(RequestState(0, 140, 200, 200, 140, 140), prefix_end=150)
     assert result.restored_start == 140
 
 
 def test_restore_of_a_short_prefix_starts_at_zero():
-    assert plan(RequestState(0, 0, 40, 40, 0), prefix_end=30).restored_start == 0
+    assert plan(RequestState(0, 0, 40, 40, 0, 0), prefix_end=30).restored_start == 0
 
 
 def test_uncovered_restore_is_refused():
     # budget 96: rows [404, 500) are cached; prefix_end 460 needs 384.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 500, 500, 0), prefix_end=460)
+        plan(RequestState(0, 0, 500, 500, 0, 0), prefix_end=460)
 
 
 def test_restore_one_position_before_the_cached_rows_is_refused():
     # budget 96: rows [401, 497) are cached; prefix_end 464 needs 400.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 497, 497, 0), prefix_end=464)
+        plan(RequestState(0, 0, 497, 497, 0, 0), prefix_end=464)
 
 
 def test_restore_from_the_first_cached_row_is_accepted():
     # budget 96: rows [400, 496) are cached; prefix_end 464 needs 400.
-    assert plan(RequestState(0, 0, 496, 496, 0), prefix_end=464).restored_start == 400
+    assert (
+        plan(RequestState(0, 0, 496, 496, 0, 0), prefix_end=464).restored_start == 400
+    )
 
 
 def test_rows_overwritten_after_a_rewind_do_not_count_as_covered():
     # Rewound to 450 after writing up to 500: positions < 404 were overwritten.
     with pytest.raises(ProtocolError, match="not covered"):
-        plan(RequestState(0, 0, 450, 500, 0), prefix_end=450)
+        plan(RequestState(0, 0, 450, 500, 0, 0), prefix_end=450)
 
 
 def test_prefix_end_beyond_the_source_end_is_refused():
     with pytest.raises(ProtocolError, match="outside"):
-        plan(RequestState(0, 0, 100, 100, 0), prefix_end=101)
+        plan(RequestState(0, 0, 100, 100, 0, 0), prefix_end=101)
 
 
 def test_reconnect_without_a_free_slot_is_refused():
     with pytest.raises(ProtocolError, match="no free slot"):
-        plan(RequestState(0, 0, 100, 100, 0), prefix_end=90, free=0)
+        plan(RequestState(0, 0, 100, 100, 0, 0), prefix_end=90, free=0)
 
 
 def test_reconnect_onto_an_existing_request_needs_no_free_slot():
     result = plan(
-        RequestState(0, 0, 100, 100, 0), prefix_end=90, request_id="src", free=0
+        RequestState(0, 0, 100, 100, 0, 0), prefix_end=90, request_id="src", free=0
     )
     assert result.request_id == "src"
+
+
+def test_reconnect_into_the_source_itself_keeps_the_rows_it_holds():
+    # budget 96: rows [104, 200) are cached; the restore for 190 starts at 112.
+    source = RequestState(0, 0, 200, 200, 0, 0)
+    assert plan(source, prefix_end=190, request_id="src").rows_start == 104
+    assert plan(source, prefix_end=190).rows_start == 112
+
+
+def test_a_source_serves_a_restore_from_rows_it_holds_before_its_start():
+    # Valid from 112 (restored into itself) but rows [80, 170) are cached.
+    source = RequestState(0, 112, 170, 170, 0, 80)
+    assert plan(source, prefix_end=150).restored_start == 80
+    with pytest.raises(ProtocolError, match="restore from 64 is not covered"):
+        plan(source, prefix_end=140)

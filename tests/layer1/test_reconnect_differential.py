@@ -4,13 +4,15 @@
 
 Seeded random runs of PROPOSE (resets, rewinds as deep as the server allows,
 batches of several requests), RECONNECT (random source, target and prefix
-end, chains of them), FREE and RESET on the real server core and reference
+end, chains of them, a request into itself and then from it at a prefix about
+a window shorter), FREE and RESET on the real server core and reference
 engine. After every PROPOSE, each request's drafts must equal those of a fresh
 server given only that request's history: its own rows since its reset, or
 for a reconnected request its source's history up to ``prefix_end`` and then
 its own rows. What the server cannot draft that way it must refuse, leaving
 its state as it was: a RECONNECT whose window-aligned restore start the
-source's context cache does not cover, and a PROPOSE whose anchor's window
+source's context cache does not cover (the rows it was given or wrote, the
+last ``prefix_cache_tokens`` of them), and a PROPOSE whose anchor's window
 reaches before a restored start.
 """
 
@@ -52,12 +54,14 @@ def make_server(limits: DraftLimits, method: str) -> DraftServer:
 class History:
     """What a client knows of a request: the origin of its rows, where the
     server's K/V starts (the reset position or ``restored_start``), its end,
-    high-water mark and rows by position."""
+    high-water mark, the first position the server's context cache was given
+    or kept (``rows_start``) and rows by position."""
 
     origin: int
     start: int
     end: int
     high: int
+    rows_start: int
     rows: dict[int, torch.Tensor] = dataclasses.field(repr=False)
 
 
@@ -125,6 +129,7 @@ class Run:
                 "uncovered",
                 "covered_at_the_boundary",
                 "window_refusals",
+                "shorter_after_self",
             ),
             0,
         )
@@ -212,7 +217,7 @@ class Run:
             entries, rows, reply["tokens"]
         ):
             if reset:
-                history = History(first, first, first, first, {})
+                history = History(first, first, first, first, first, {})
                 self.known[rid] = history
             else:
                 history = self.known[rid]
@@ -233,25 +238,40 @@ class Run:
         block = self.limits.block_size
         return max(window_start // block * block, source.origin)
 
-    def reconnect(self) -> None:
+    def cached(self, history: History) -> int:
+        """The first position the server's context cache holds for
+        ``history``: rows given or kept from ``rows_start``, the last
+        ``prefix_cache_tokens`` written."""
+        return max(history.rows_start, history.high - self.limits.prefix_cache_tokens)
+
+    def reconnect(
+        self,
+        source_id: str | None = None,
+        target_id: str | None = None,
+        prefix_end: int | None = None,
+    ) -> bool:
+        """One RECONNECT (random where not given); whether it was accepted."""
         rng, limits = self.rng, self.limits
-        source_id = rng.choice(sorted(self.known))
+        if source_id is None:
+            source_id = rng.choice(sorted(self.known))
         source = self.known[source_id]
-        target_id = rng.choice(IDS)
-        cached = max(source.start, source.high - limits.prefix_cache_tokens)
-        boundary = [
-            end
-            for end in range(source.start, source.end + 1)
-            if self.restore_start(source, end) in (cached - 1, cached)
-        ]
-        x = rng.random()
-        if x < 0.2 and boundary:
-            # The restore starts at, or one before, the first cached row.
-            prefix_end = rng.choice(boundary)
-        elif x < 0.7:
-            prefix_end = max(source.start, source.end - rng.randint(0, 3))
-        else:
-            prefix_end = rng.randint(source.start, source.end)
+        if target_id is None:
+            target_id = rng.choice(IDS)
+        cached = self.cached(source)
+        if prefix_end is None:
+            boundary = [
+                end
+                for end in range(source.origin, source.end + 1)
+                if self.restore_start(source, end) in (cached - 1, cached)
+            ]
+            x = rng.random()
+            if x < 0.2 and boundary:
+                # The restore starts at, or one before, the first cached row.
+                prefix_end = rng.choice(boundary)
+            elif x < 0.7:
+                prefix_end = max(source.start, source.end - rng.randint(0, 3))
+            else:
+                prefix_end = rng.randint(source.origin, source.end)
         before = table(self.server)
         reply = call(
             self.server,
@@ -262,15 +282,14 @@ class Run:
         )
         if target_id not in self.known and len(self.known) == limits.max_requests:
             assert "no free slot" in reply.get("error", ""), reply
-            return
-        # The source's context cache (rows from its own start, the last
-        # prefix_cache_tokens written) must hold all of the restore.
+            return False
+        # The source's context cache must hold all of the restore.
         start = self.restore_start(source, prefix_end)
         if start < cached:
             assert "is not covered" in reply.get("error", ""), reply
             assert table(self.server) == before
             self.counts["uncovered"] += 1
-            return
+            return False
         assert reply["ok"] and reply["restored_start"] == start, reply
         self.counts["reconnects"] += 1
         self.counts["covered_at_the_boundary"] += start == cached > source.start
@@ -279,9 +298,29 @@ class Run:
             start,
             prefix_end,
             prefix_end,
+            # Into itself nothing is copied: the rows it held stay.
+            cached if target_id == source_id else start,
             {p: row for p, row in source.rows.items() if p < prefix_end},
         )
         self.follow = target_id
+        return True
+
+    def reconnect_shorter_after_self(self) -> None:
+        """A request resumes by a RECONNECT into itself, then another request
+        reconnects from it at a prefix about a window shorter (its rows before
+        the restored start serve it where its cache still holds them)."""
+        rng, window, block = self.rng, self.limits.window_size, self.limits.block_size
+        source_id = rng.choice(sorted(self.known))
+        source = self.known[source_id]
+        prefix_end = max(source.origin, source.end - rng.randint(0, 3))
+        if not self.reconnect(source_id, source_id, prefix_end):
+            return
+        source = self.known[source_id]
+        shorter = max(source.origin, prefix_end - rng.randint(1, window + block))
+        # Before its restored start: what only its kept rows can serve.
+        kept = self.restore_start(source, shorter) < source.start
+        accepted = self.reconnect(source_id, rng.choice(IDS), shorter)
+        self.counts["shorter_after_self"] += accepted and kept
 
     def free(self) -> None:
         rid = self.rng.choice(sorted(self.known))
@@ -291,14 +330,16 @@ class Run:
     def reset(self) -> None:
         rid = self.rng.choice(sorted(self.known))
         assert call(self.server, "RESET", request_ids=[rid])["ok"]
-        self.known[rid] = History(0, 0, 0, 0, {})
+        self.known[rid] = History(0, 0, 0, 0, 0, {})
 
     def step(self) -> None:
         x = self.rng.random()
         if x < 0.6 or self.follow is not None or not self.known:
             self.propose()
-        elif x < 0.85:
+        elif x < 0.75:
             self.reconnect()
+        elif x < 0.85:
+            self.reconnect_shorter_after_self()
         elif x < 0.95:
             self.free()
         else:
@@ -345,3 +386,6 @@ def test_every_draft_matches_a_fresh_server_given_the_request_history(
     for _ in range(600):
         run.step()
     assert min(run.counts["reconnects"], run.counts["rewinds"]) > 20, run.counts
+    if cache >= 2 * window:
+        # Room for rows before a restored start that a shorter restore needs.
+        assert run.counts["shorter_after_self"] > 0, run.counts

@@ -377,6 +377,45 @@ def test_reconnect_from_a_source_restored_after_the_window_start_is_refused(serv
     assert full_state(server) == before
 
 
+def test_a_request_reconnected_into_itself_still_serves_the_rows_it_holds(server):
+    # A writes [0, 200) (its cache keeps [72, 200)), then resumes at 190 by a
+    # RECONNECT from itself (K/V rebuilt from 112). Its cache still holds
+    # [72, 190): a restore for B at 150 (from 80) drafts as a request that
+    # stopped there; C at 140 needs 64, which the cache no longer holds.
+    history = torch.randn(200, WIDTH, generator=torch.Generator().manual_seed(5))
+
+    def send(rid: str, anchor: int, count: int = 0) -> dict[str, Any]:
+        request = entry(rid, anchor, count, reset=count > 0)
+        header = protocol.request_header(
+            "PROPOSE", num_speculative_tokens=4, requests=[request]
+        )
+        frames = [protocol.encode_header(header)]
+        if count:
+            frames += [
+                protocol.tensor_frame(torch.arange(anchor - count, anchor)),
+                protocol.tensor_frame(history[anchor - count : anchor].bfloat16()),
+            ]
+        return json.loads(bytes(server.handle(frames)[0]))
+
+    send("A", 200, 200)
+    reply = call(
+        server, "RECONNECT", source_request_id="A", request_id="A", prefix_end=190
+    )
+    assert reply["restored_start"] == 112
+    reply = call(
+        server, "RECONNECT", source_request_id="A", request_id="B", prefix_end=150
+    )
+    assert reply["ok"] and reply["restored_start"] == 80, reply
+    send("ref", 150, 150)
+    assert send("B", 150)["tokens"] == send("ref", 150)["tokens"]
+    before = full_state(server)
+    reply = call(
+        server, "RECONNECT", source_request_id="A", request_id="C", prefix_end=140
+    )
+    assert "restore from 64 is not covered" in error_of(reply)
+    assert full_state(server) == before
+
+
 def test_a_context_cache_below_window_plus_block_warns_of_refused_reconnects(caplog):
     with caplog.at_level(logging.WARNING):
         make_server()

@@ -4,10 +4,11 @@
 
 Each retained request's slot owns a ring of ``budget`` rows on the engine's
 device; position ``p`` lives at row ``p % budget``. Rows are written in
-position order from the request's first valid position, so a request with
-valid positions ``[start, end)`` whose highest written position is ``high - 1``
-(``high > end`` after a rewind) has the rows ``[covered_start(start, high,
-budget), end)`` cached. RECONNECT rebuilds a request's draft KV from these rows.
+position order from the request's first cached position ``rows_start``, so a
+request with valid positions ending at ``end`` whose highest written position
+is ``high - 1`` (``high > end`` after a rewind) has the rows
+``[covered_start(rows_start, high, budget), end)`` cached. RECONNECT rebuilds a
+request's draft KV from these rows.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 
 def covered_start(start: int, high: int, budget: int) -> int:
-    """First cached position of a request whose valid positions start at
-    ``start`` and whose rows were written up to ``high`` (exclusive)."""
+    """First cached position of a request whose rows were written from
+    ``start`` up to ``high`` (exclusive)."""
     return max(start, high - budget)
 
 

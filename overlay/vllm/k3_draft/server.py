@@ -289,7 +289,9 @@ class DraftServer:
             if entry.reset:
                 slot = self.allocator.allocate() if state is None else state.slot
                 position = entry.reset_position
-                state = RequestState(slot, position, position, position, position)
+                state = RequestState(
+                    slot, position, position, position, position, position
+                )
                 self.requests[entry.request_id] = state
             assert state is not None
             state.end = entry.anchor_position
@@ -324,7 +326,7 @@ class DraftServer:
             raise ProtocolError(f"unknown requests {unknown[:8]}")
         for rid in ids:
             slot = self.requests[rid].slot
-            self.requests[rid] = RequestState(slot, 0, 0, 0, 0)
+            self.requests[rid] = RequestState(slot, 0, 0, 0, 0, 0)
         return self._active_reply(OP_RESET)
 
     def _free(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
@@ -363,6 +365,7 @@ class DraftServer:
             plan.prefix_end,
             plan.prefix_end,
             plan.source.origin,
+            plan.rows_start,
         )
         try:
             self.engine.restore(
@@ -392,7 +395,7 @@ class DraftServer:
         with self.lock:
             stats = self.stats
             cached = sum(
-                state.end - covered_start(state.start, state.high, budget)
+                state.end - covered_start(state.rows_start, state.high, budget)
                 for state in self.requests.values()
             )
             recent = np.array(stats.recent_latency_ms or [0.0])

@@ -34,17 +34,22 @@ _ENVELOPE = frozenset({"protocol", "op"})
 @dataclass
 class RequestState:
     """A retained request: its slot, valid positions ``[start, end)``, the
-    high-water mark ``high`` of positions written (``high >= end``) and the
+    high-water mark ``high`` of positions written (``high >= end``), the
     ``origin`` of its history (its reset position; a reconnected request
-    inherits its source's). A PROPOSE attends the window before its anchor
-    from ``start`` on: ``start > origin`` (a RECONNECT restored the window
-    only) means the positions in ``[origin, start)`` exist but hold no K/V."""
+    inherits its source's) and ``rows_start``, the first position whose
+    context-cache row it holds (``origin <= rows_start <= start``; the ring
+    keeps fewer, see ``context_cache.covered_start``). A PROPOSE attends the
+    window before its anchor from ``start`` on: ``start > origin`` (a
+    RECONNECT restored the window only) means the positions in
+    ``[origin, start)`` exist but hold no K/V; a RECONNECT into the request
+    itself keeps the rows it held before ``start``."""
 
     slot: int
     start: int
     end: int
     high: int
     origin: int
+    rows_start: int
 
 
 @dataclass(slots=True)
@@ -284,6 +289,9 @@ class ReconnectPlan:
     # Restored valid positions are [restored_start, prefix_end), K/V rebuilt
     # for all of them (a later PROPOSE may rewind into the window's start).
     restored_start: int
+    # The target's first cached row: restored_start, or into the source
+    # itself the first row it still holds (nothing is copied there).
+    rows_start: int
 
 
 def plan_reconnect(
@@ -295,10 +303,11 @@ def plan_reconnect(
     """Validate a RECONNECT against the request table.
 
     The restore starts at the block-aligned window start before
-    ``prefix_end``, or at the source's origin if that is later; the source
-    must hold K/V rows for all of it (its context cache from its own
-    ``start``), else the reply is an error: a source that was itself
-    restored later than that has no rows to give."""
+    ``prefix_end``, or at the source's origin if that is later; the source's
+    context cache must hold rows for all of it (from its ``rows_start``, the
+    last ``prefix_cache_tokens`` written), else the reply is an error: a
+    source that was itself restored from another request later than that has
+    no rows to give."""
     check_fields(header, frozenset({"source_request_id", "request_id", "prefix_end"}))
     source_id = request_id(header.get("source_request_id"), "source_request_id")
     rid = request_id(header.get("request_id"))
@@ -306,17 +315,17 @@ def plan_reconnect(
     source = requests.get(source_id)
     if source is None:
         raise ProtocolError(f"unknown source request {source_id!r}")
-    if not source.start <= prefix_end <= source.end:
+    if not source.origin <= prefix_end <= source.end:
         raise ProtocolError(
-            f"prefix_end {prefix_end} is outside the source's valid positions "
-            f"[{source.start}, {source.end}]"
+            f"prefix_end {prefix_end} is outside the source's history "
+            f"[{source.origin}, {source.end}]"
         )
     if rid not in requests and num_free_slots == 0:
         raise ProtocolError("no free slot for the reconnected request")
     window_start = max(0, prefix_end - limits.window_size)
     aligned = window_start // limits.block_size * limits.block_size
     restored_start = max(aligned, source.origin)
-    cached = covered_start(source.start, source.high, limits.prefix_cache_tokens)
+    cached = covered_start(source.rows_start, source.high, limits.prefix_cache_tokens)
     if restored_start < cached:
         raise ProtocolError(
             f"restore from {restored_start} is not covered: the source's context "
@@ -327,4 +336,7 @@ def plan_reconnect(
         request_id=rid,
         prefix_end=prefix_end,
         restored_start=restored_start,
+        # Into itself the rows up to prefix_end stay; the high-water mark
+        # drops to prefix_end, so the ring's bound is folded in here.
+        rows_start=cached if rid == source_id else restored_start,
     )
