@@ -5,7 +5,9 @@
 Classes: ``clean`` (applies exactly), ``3-way`` (git's three-way merge lands
 it), ``already-upstream`` (its change is there already: the diff reverse-
 applies, or the merge comes out empty), ``conflict`` (files and hunks listed).
-Layers that land are stacked so later layers are tried on top of them.
+Overlay files upstream already has byte for byte count as landed (as in
+git's merge); one with other bytes is a conflict. Layers that land are
+stacked so later layers are tried on top of them.
 """
 
 from __future__ import annotations
@@ -56,20 +58,19 @@ def _exact_failures(tree: Path, layer: Layer, reverse: bool) -> list[str]:
     return failures
 
 
-def _overlay_state(tree: Path, stack: Stack, layer: Layer) -> str:
-    """'absent', 'identical' (all there already) or 'clash'."""
-    states = set()
+def _overlay_states(tree: Path, stack: Stack, layer: Layer) -> dict[str, str]:
+    """Each overlay file of ``layer`` on ``tree``: 'absent', 'identical' (the
+    same bytes) or 'clash' (other bytes)."""
+    states = {}
     for rel in layer.patch.overlay:
         target = tree / rel
         if not target.exists():
-            states.add("absent")
+            states[rel] = "absent"
         elif target.read_bytes() == (stack.overlay_dir / rel).read_bytes():
-            states.add("identical")
+            states[rel] = "identical"
         else:
-            states.add("clash")
-    if "clash" in states or len(states) > 1:
-        return "clash"
-    return states.pop() if states else "absent"
+            states[rel] = "clash"
+    return states
 
 
 def _conflict_hunks(tree: Path, path: str) -> list[str]:
@@ -100,25 +101,30 @@ def classify(
     for layer in stack.layers:
         result = LayerResult(layer.number, layer.name, "")
         results.append(result)
-        overlay = _overlay_state(tree, stack, layer)
+        overlay = _overlay_states(tree, stack, layer)
+        present = [rel for rel, state in overlay.items() if state == "identical"]
+        clash = [rel for rel, state in overlay.items() if state == "clash"]
+        there = f"overlay files already upstream: {', '.join(present)}"
         exact = _exact_failures(tree, layer, reverse=False)
-        if not exact and overlay == "absent":
-            result.status = "clean"
-            _land(tree, layer, stack)
-            continue
-        if not _exact_failures(tree, layer, reverse=True) and overlay == "identical":
+        whole = bool(present) and len(present) == len(overlay)
+        if whole and not _exact_failures(tree, layer, reverse=True):
             result.status = "already-upstream"
             result.note = "the diff reverse-applies and the overlay files are present"
             continue
+        if not exact and not clash:
+            # Overlay files upstream has byte for byte land as no change, as
+            # they do in git's merge.
+            result.status = "clean"
+            result.note = there if present else ""
+            _land(tree, layer, stack)
+            continue
         git(tree, "cherry-pick", "--no-commit", layer_tag(layer.number), check=False)
         conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").splitlines()
-        if conflicted or overlay == "clash":
+        if conflicted or clash:
             result.status = "conflict"
-            result.files = conflicted + (
-                [f"overlay: {rel}" for rel in layer.patch.overlay]
-                if overlay == "clash"
-                else []
-            )
+            result.files = conflicted + [
+                f"overlay: {rel}" for rel in clash if rel not in conflicted
+            ]
             result.hunks = exact + [
                 r for path in conflicted for r in _conflict_hunks(tree, path)
             ]
@@ -136,6 +142,7 @@ def classify(
         result.status = "3-way"
         result.files = sorted({h.split(" hunk ")[0] for h in exact})
         result.hunks = exact
+        result.note = there if present else ""
         commit_all(tree, layer.patch.commit_message(), date="1980-01-01T00:00:00+0000")
     return results
 

@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 from pathlib import Path
 
 import pytest
 from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
 from k3stack import StackError
+from k3stack.gitutil import git
 from k3stack.pin import Artifact, Pin
 from k3stack.rebase import classify, rebase_command, retagged_image, select_wheels
 from k3stack.upstream import extract_sdist
@@ -149,3 +151,45 @@ def test_write_pin_with_a_checkout_is_refused_before_any_work(tmp_path: Path) ->
     with pytest.raises(StackError, match="--write-pin needs --to VERSION"):
         rebase_command(None, None, args)  # type: ignore[arg-type]
     assert not (tmp_path / "report").exists()
+
+
+def refill(syn: Synthetic, n: int, edit: dict[str, str]) -> None:
+    """Amend layer ``n`` with ``edit`` and take it back into the checkout."""
+    from k3stack.refresh import refresh
+
+    syn.amend(n, edit)
+    refresh(syn.stack(), syn.tree, today=dt.date(2026, 11, 3))
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", f"amend layer {n}")
+
+
+def test_a_layer_whose_overlay_is_partly_upstream_already_lands_clean(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    refill(filled, 1, {"vllm/remote/client.py": "TIMEOUT = 5\n"})
+    filled.apply()
+    files = dict(UPSTREAM_FILES)
+    # Upstream took one of layer 1's two new files, byte for byte: git's
+    # cherry-pick lands the layer without a conflict.
+    files["vllm/remote/__init__.py"] = "PORT = 1\n"
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["clean", "clean", "clean"]
+    assert "vllm/remote/__init__.py" in results[0].note
+    assert results[0].files == []
+
+
+def test_a_partly_upstream_overlay_with_a_moved_diff_is_a_three_way_merge(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    refill(filled, 1, {"vllm/remote/client.py": "TIMEOUT = 5\n"})
+    filled.apply()
+    files = dict(UPSTREAM_FILES)
+    files["vllm/remote/__init__.py"] = "PORT = 1\n"
+    files["vllm/envs.py"] = "# moved\n" * 5 + files["vllm/envs.py"]
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["3-way", "clean", "clean"]
+    assert results[0].files == ["vllm/envs.py"]
