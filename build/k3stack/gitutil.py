@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,31 @@ def git_bytes(
     check: bool = True,
     stdin: bytes | None = None,
 ) -> bytes:
+    proc = _run(cwd, args, date, stdin)
+    if check and proc.returncode != 0:
+        message = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise StackError(
+            f"git {' '.join(args[:3])} failed in {cwd}: "
+            f"{message[-1] if message else proc.returncode}"
+        )
+    return proc.stdout
+
+
+def merge_file(cwd: Path, current: bytes, base: bytes, other: bytes) -> bytes | None:
+    """``current`` with the change from ``base`` to ``other`` merged in (git's
+    three-way file merge), or None where they conflict."""
+    with tempfile.TemporaryDirectory(prefix="k3stack-merge-") as tmp:
+        paths = []
+        for name, data in (("current", current), ("base", base), ("other", other)):
+            (Path(tmp) / name).write_bytes(data)
+            paths.append(str(Path(tmp) / name))
+        proc = _run(cwd, ("merge-file", "-p", "-q", *paths), EPOCH, None)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _run(
+    cwd: Path, args: tuple[str, ...], date: str, stdin: bytes | None
+) -> subprocess.CompletedProcess[bytes]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -90,13 +116,7 @@ def git_bytes(
         if shutil.which("git") is not None:
             raise  # the working directory, not git, is missing
         raise StackError("git is not on PATH; the tooling needs git") from None
-    if check and proc.returncode != 0:
-        message = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise StackError(
-            f"git {' '.join(args[:3])} failed in {cwd}: "
-            f"{message[-1] if message else proc.returncode}"
-        )
-    return proc.stdout
+    return proc
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ it), ``already-upstream`` (its change is there already: the diff reverse-
 applies, or the merge comes out empty), ``conflict`` (files and hunks listed).
 Overlay files upstream already has byte for byte count as landed (as in
 git's merge); one with other bytes is a conflict. Layers that land are
-stacked so later layers are tried on top of them.
+stacked so later layers are tried on top of them; a conflicting layer is
+skipped, and a later one that changes the same files names it and tells which
+of its conflicts come from that layer missing rather than from upstream.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from pathlib import Path
 
 from k3stack import StackError
 from k3stack.fetch import cache_dir, download, pip_index_url, project_files, sha256_file
-from k3stack.gitutil import git
+from k3stack.gitutil import git, git_bytes, merge_file
 from k3stack.patchfile import HunkMismatch, apply_exact
 from k3stack.pin import PIN_FILE, Pin, load_pin
 from k3stack.series import Layer, Stack
 from k3stack.upstream import export_checkout, extract_sdist
-from k3stack.worktree import commit_all, layer_tag
+from k3stack.worktree import UPSTREAM_TAG, commit_all, layer_tag
 
 _CONFLICT_START = re.compile(r"^<{7}( |$)")
 _CONFLICT_END = re.compile(r"^>{7}( |$)")
@@ -42,6 +44,12 @@ class LayerResult:
     files: list[str] = field(default_factory=list)
     hunks: list[str] = field(default_factory=list)
     note: str = ""
+    # Skipped (conflicting) lower layers that change files this one changes:
+    # its result there is relative to a stack without them.
+    tried_without: list[int] = field(default_factory=list)
+    # Conflicted files whose conflict arises without upstream's changes too
+    # (from the skipped layers' changes being absent), not upstream's.
+    skipped_conflicts: list[str] = field(default_factory=list)
 
 
 def _exact_failures(tree: Path, layer: Layer, reverse: bool) -> list[str]:
@@ -73,6 +81,37 @@ def _overlay_states(tree: Path, stack: Stack, layer: Layer) -> dict[str, str]:
     return states
 
 
+def _changed(layer: Layer) -> set[str]:
+    return {fp.path for fp in layer.patch.files} | set(layer.patch.overlay)
+
+
+def _conflicts_without_upstream(
+    tree: Path, layer: Layer, path: str, skipped: list[int]
+) -> bool:
+    """Whether ``layer``'s change to ``path`` conflicts on the old stack with
+    the ``skipped`` layers' changes to it undone, i.e. with no change of
+    upstream's involved: its conflict there is the skipped layers' doing."""
+
+    def at(n: int) -> bytes:
+        tag = UPSTREAM_TAG if n == 0 else layer_tag(n)
+        return git_bytes(tree, "show", f"{tag}:{path}", check=False)
+
+    text = at(layer.number - 1)
+    for n in sorted(skipped, reverse=True):
+        undone = merge_file(tree, text, at(n), at(n - 1))
+        if undone is None:
+            return True
+        text = undone
+    return merge_file(tree, text, at(layer.number - 1), at(layer.number)) is None
+
+
+def _without_note(shared: dict[int, list[str]]) -> str:
+    return "; ".join(
+        f"tried without layer {n} (a conflict), which also changes {', '.join(paths)}"
+        for n, paths in sorted(shared.items())
+    )
+
+
 def _conflict_hunks(tree: Path, path: str) -> list[str]:
     ranges, start = [], None
     text = (tree / path).read_text(errors="replace").splitlines()
@@ -98,9 +137,17 @@ def classify(
     shutil.copytree(new_upstream, tree, dirs_exist_ok=True)
     commit_all(tree, message, date="1980-01-01T00:00:00+0000")
     results = []
+    skipped: list[Layer] = []
     for layer in stack.layers:
         result = LayerResult(layer.number, layer.name, "")
         results.append(result)
+        shared = {
+            s.number: sorted(_changed(s) & _changed(layer))
+            for s in skipped
+            if _changed(s) & _changed(layer)
+        }
+        result.tried_without = sorted(shared)
+        without = _without_note(shared)
         overlay = _overlay_states(tree, stack, layer)
         present = [rel for rel, state in overlay.items() if state == "identical"]
         clash = [rel for rel, state in overlay.items() if state == "clash"]
@@ -109,13 +156,15 @@ def classify(
         whole = bool(present) and len(present) == len(overlay)
         if whole and not _exact_failures(tree, layer, reverse=True):
             result.status = "already-upstream"
-            result.note = "the diff reverse-applies and the overlay files are present"
+            result.note = _join(
+                "the diff reverse-applies and the overlay files are present", without
+            )
             continue
         if not exact and not clash:
             # Overlay files upstream has byte for byte land as no change, as
             # they do in git's merge.
             result.status = "clean"
-            result.note = there if present else ""
+            result.note = _join(there if present else "", without)
             _land(tree, layer, stack)
             continue
         git(tree, "cherry-pick", "--no-commit", layer_tag(layer.number), check=False)
@@ -131,20 +180,52 @@ def classify(
             git(tree, "cherry-pick", "--abort", check=False)
             git(tree, "reset", "-q", "--hard")
             git(tree, "clean", "-fdq")
-            result.note = "later layers were tried without this one"
+            result.skipped_conflicts = [
+                path
+                for path in conflicted
+                if (behind := [n for n, paths in shared.items() if path in paths])
+                and _conflicts_without_upstream(tree, layer, path, behind)
+            ]
+            own = [p for p in conflicted if p not in result.skipped_conflicts]
+            blamed = ", ".join(
+                str(n)
+                for n, paths in sorted(shared.items())
+                if set(paths) & set(result.skipped_conflicts)
+            )
+            result.note = _join(
+                without,
+                (
+                    f"the conflicts in {', '.join(result.skipped_conflicts)} come "
+                    f"from layer {blamed} missing (they arise on the old upstream "
+                    f"too), not from upstream: resolve layer {blamed} first"
+                    if result.skipped_conflicts
+                    else ""
+                ),
+                (
+                    f"the conflicts in {', '.join(own)} are upstream's"
+                    if own and shared
+                    else ""
+                ),
+                "later layers were tried without this one",
+            )
+            skipped.append(layer)
             continue
         if not git(tree, "diff", "--cached", "--name-only"):
             result.status = "already-upstream"
-            result.note = "the three-way merge comes out empty"
+            result.note = _join("the three-way merge comes out empty", without)
             git(tree, "cherry-pick", "--abort", check=False)
             git(tree, "reset", "-q", "--hard")
             continue
         result.status = "3-way"
         result.files = sorted({h.split(" hunk ")[0] for h in exact})
         result.hunks = exact
-        result.note = there if present else ""
+        result.note = _join(there if present else "", without)
         commit_all(tree, layer.patch.commit_message(), date="1980-01-01T00:00:00+0000")
     return results
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(part for part in parts if part)
 
 
 def _land(tree: Path, layer: Layer, stack: Stack) -> None:

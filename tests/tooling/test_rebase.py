@@ -193,3 +193,64 @@ def test_a_partly_upstream_overlay_with_a_moved_diff_is_a_three_way_merge(
     )
     assert [r.status for r in results] == ["3-way", "clean", "clean"]
     assert results[0].files == ["vllm/envs.py"]
+
+
+def envs_with(**settings: int) -> str:
+    """Upstream's envs.py with ``SETTING_n`` set to other values."""
+    text = UPSTREAM_FILES["vllm/envs.py"]
+    for name, value in settings.items():
+        number = name.removeprefix("SETTING_")
+        text = text.replace(f"{name} = {number}\n", f"{name} = {value}\n")
+    return text
+
+
+def test_a_later_layer_s_conflict_with_a_skipped_layer_is_not_blamed_on_upstream(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    # Layer 2 edits the line after layer 1's; upstream conflicts with layer 1
+    # only. Without layer 1, layer 2's merge conflicts too: layer 1's doing.
+    refill(filled, 2, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_6=66)})
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(SETTING_5=6)})
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["conflict", "conflict", "clean"]
+    assert results[1].tried_without == [1]
+    assert results[1].skipped_conflicts == ["vllm/envs.py"]
+    assert "tried without layer 1" in results[1].note
+    assert "from layer 1 missing" in results[1].note
+    assert "not from upstream" in results[1].note
+
+
+def test_a_later_layer_s_own_conflict_with_upstream_is_upstream_s(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    refill(filled, 2, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_30=3000)})
+    filled.apply()
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = envs_with(SETTING_5=6, SETTING_30=31)
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["conflict", "conflict", "clean"]
+    assert results[1].tried_without == [1]
+    assert results[1].skipped_conflicts == []
+    assert "tried without layer 1" in results[1].note
+    assert "the conflicts in vllm/envs.py are upstream's" in results[1].note
+
+
+def test_a_layer_that_lands_after_a_skipped_one_says_what_it_was_tried_without(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    refill(filled, 2, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_30=3000)})
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(SETTING_5=6)})
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["conflict", "clean", "clean"]
+    assert results[1].tried_without == [1]
+    assert "tried without layer 1" in results[1].note
+    assert results[2].tried_without == []
+    assert results[2].note == ""
