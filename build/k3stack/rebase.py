@@ -29,7 +29,7 @@ from k3stack.gitutil import git, git_bytes, merge_file
 from k3stack.patchfile import HunkMismatch, apply_exact
 from k3stack.pin import PIN_FILE, Pin, load_pin
 from k3stack.series import Layer, Stack
-from k3stack.upstream import export_checkout, extract_sdist
+from k3stack.upstream import checkout_head, export_checkout, extract_sdist
 from k3stack.worktree import UPSTREAM_TAG, commit_all, layer_tag
 
 _CONFLICT_START = re.compile(r"^<{7}( |$)")
@@ -278,6 +278,8 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
 
     if args.write_pin and args.to is None:
         raise StackError("--write-pin needs --to VERSION (a release)")
+    if args.checkout is not None:
+        checkout_head(args.checkout)  # refused before the stack is applied
     work = Path(tempfile.mkdtemp(prefix="k3stack-rebase-"))
     try:
         tree = work / "tree"

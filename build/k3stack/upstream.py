@@ -50,6 +50,20 @@ def extract_sdist(sdist: Path, dest: Path) -> None:
         tar.extractall(dest, members=members, filter=strip)
 
 
+def checkout_head(checkout: Path) -> str:
+    """The full hash of the commit at HEAD of the git checkout ``checkout``;
+    ``StackError`` if it is no checkout or HEAD names no commit."""
+    if not is_work_tree(checkout):
+        raise StackError(f"{checkout} is not a git checkout")
+    head = git(checkout, "rev-parse", "-q", "--verify", "HEAD^{commit}", check=False)
+    if not head:
+        raise StackError(
+            f"{checkout} has no commit at HEAD (an empty repository or an unborn "
+            "branch); refused: name a checkout of upstream"
+        )
+    return head
+
+
 def export_checkout(checkout: Path, dest: Path, commit: str | None = None) -> str:
     """Export the tracked files of a git checkout's HEAD into ``dest``.
 
@@ -57,9 +71,7 @@ def export_checkout(checkout: Path, dest: Path, commit: str | None = None) -> st
     the full commit hash exported.
     """
     require_tar_filters()
-    if not is_work_tree(checkout):
-        raise StackError(f"{checkout} is not a git checkout")
-    head = git(checkout, "rev-parse", "HEAD")
+    head = checkout_head(checkout)
     if commit is not None and not head.startswith(commit):
         raise StackError(
             f"{checkout} is at {head[:12]}, not the pinned upstream commit {commit}"

@@ -254,3 +254,19 @@ def test_a_layer_that_lands_after_a_skipped_one_says_what_it_was_tried_without(
     assert "tried without layer 1" in results[1].note
     assert results[2].tried_without == []
     assert results[2].note == ""
+
+
+def test_a_checkout_without_commits_is_refused_in_one_line_before_any_work(
+    tmp_path: Path,
+) -> None:
+    checkout = tmp_path / "empty"
+    checkout.mkdir()
+    git(checkout, "init", "-q")
+    args = argparse.Namespace(
+        to=None, checkout=checkout, report=tmp_path / "report", write_pin=False
+    )
+    # No stack and no pin: refused before either is used.
+    with pytest.raises(StackError, match=r"^\S+empty has no commit at HEAD") as e:
+        rebase_command(None, None, args)  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "report").exists()
