@@ -220,8 +220,9 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
         if line.startswith((b"diff --git ", b"@@")) and hunk is not None:
             _check_counts(hunk, current, where)
         if line.startswith(b"diff --git "):
-            parts = line.split()
-            path = parts[-1].decode()[2:]
+            path = _diff_path(
+                line[len(b"diff --git ") :].rstrip(b"\r\n"), where, number
+            )
             current = FilePatch(path, False, [])
             files.append(current)
             hunk = None
@@ -246,7 +247,9 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
                 1 if b is None else int(b),
                 int(c),
                 1 if d is None else int(d),
-                line.decode().rstrip("\n"),
+                # Git copies the hunk's function line as bytes: named in
+                # messages only.
+                line.decode("utf-8", "backslashreplace").rstrip("\n"),
                 [],
             )
             current.hunks.append(hunk)
@@ -267,6 +270,78 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
     if hunk is not None:
         _check_counts(hunk, current, where)
     return files
+
+
+# The escapes of git's C-style quoting of unusual file names (quote_c_style).
+_ESCAPES = {
+    ord("a"): 7,
+    ord("b"): 8,
+    ord("t"): 9,
+    ord("n"): 10,
+    ord("v"): 11,
+    ord("f"): 12,
+    ord("r"): 13,
+    ord('"'): ord('"'),
+    ord("\\"): ord("\\"),
+}
+
+
+def _unquote(text: bytes) -> tuple[bytes, bytes] | None:
+    """A leading C-quoted name of ``text`` unquoted, and what follows it; None
+    if it is malformed."""
+    out = bytearray()
+    i = 1
+    while i < len(text):
+        char = text[i]
+        if char == ord('"'):
+            return bytes(out), text[i + 1 :]
+        if char != ord("\\"):
+            out.append(char)
+            i += 1
+        elif re.fullmatch(rb"[0-3][0-7]{2}", text[i + 1 : i + 4]):
+            out.append(int(text[i + 1 : i + 4], 8))
+            i += 4
+        elif i + 1 < len(text) and text[i + 1] in _ESCAPES:
+            out.append(_ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            return None
+    return None
+
+
+def _diff_path(names: bytes, where: str, number: int) -> str:
+    """The file a ``diff --git a/X b/X`` line names: both names C-quoted, the
+    way git quotes unusual names, or both plain (blanks and all)."""
+    shown = names.decode("utf-8", "backslashreplace")
+    old: bytes | None = None
+    new: bytes | None = None
+    if names.startswith(b'"'):
+        first = _unquote(names)
+        if first is not None and first[1].startswith(b' "'):
+            second = _unquote(first[1][1:])
+            if second is not None and not second[1]:
+                old, new = first[0], second[0]
+    else:
+        # With no renames both names are one file: the middle blank splits.
+        half = (len(names) - 1) // 2
+        if names[half : half + 1] == b" ":
+            old, new = names[:half], names[half + 1 :]
+    if old is None or new is None:
+        raise StackError(
+            f"{where}: diff line {number} has malformed file names: {shown}"
+        )
+    if not (old.startswith(b"a/") and new.startswith(b"b/") and old[2:] == new[2:]):
+        raise StackError(
+            f"{where}: diff line {number} names two files ({shown}); renames and "
+            "copies are not supported"
+        )
+    try:
+        return new[2:].decode()
+    except UnicodeDecodeError:
+        raise StackError(
+            f"{where}: diff line {number} names a file whose name is not UTF-8 "
+            f"({shown}); refused"
+        ) from None
 
 
 def _counts(hunk: Hunk) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
-from k3stack.patchfile import parse_diff
+from k3stack.patchfile import apply_exact, parse_diff
 from k3stack.series import check_suites, load_stack
 
 
@@ -156,3 +156,53 @@ def test_a_mode_change_in_a_patch_is_refused_as_such_not_sent_to_overlay() -> No
         parse_diff(diff, "0002-layer-2.patch")
     assert "vllm/model.py: a mode change" in str(info.value)
     assert "overlay" not in str(info.value)
+
+
+def test_a_hunk_header_whose_context_is_not_utf8_is_read() -> None:
+    # Git copies the hunk's function line into the header as bytes; a latin-1
+    # upstream file (or a git that cuts a UTF-8 name mid-character) puts
+    # other bytes there. The header is only named in messages.
+    diff = (
+        b"diff --git a/vllm/model.py b/vllm/model.py\n"
+        b"--- a/vllm/model.py\n+++ b/vllm/model.py\n"
+        b"@@ -2,1 +2,1 @@ def caf\xe9():\n-    return 1\n+    return 2\n"
+    )
+    (fp,) = parse_diff(diff, "0002-layer-2.patch")
+    assert fp.path == "vllm/model.py"
+    assert fp.hunks[0].header == "@@ -2,1 +2,1 @@ def caf\\xe9():"
+    assert apply_exact(b"def caf\xe9():\n    return 1\n", fp).endswith(b"return 2\n")
+
+
+@pytest.mark.parametrize(
+    ("names", "path"),
+    [
+        (b'"a/vllm/na\\303\\257ve.py" "b/vllm/na\\303\\257ve.py"', "vllm/naïve.py"),
+        (b'"a/vllm/tab\\there.py" "b/vllm/tab\\there.py"', "vllm/tab\there.py"),
+        (b'"a/vllm/q\\"uote.py" "b/vllm/q\\"uote.py"', 'vllm/q"uote.py'),
+        (b"a/vllm/my file.py b/vllm/my file.py", "vllm/my file.py"),
+        (b"a/vllm/a b/c.py b/vllm/a b/c.py", "vllm/a b/c.py"),
+    ],
+)
+def test_a_diff_header_names_the_file_git_quoted_or_spaced(
+    names: bytes, path: str
+) -> None:
+    diff = b"diff --git " + names + b"\n@@ -1 +1 @@\n-a\n+b\n"
+    assert [fp.path for fp in parse_diff(diff, "0001-layer-1.patch")] == [path]
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (b'"a/vllm/x\\303.py" "b/vllm/x\\303.py"', "is not UTF-8"),
+        (b'"a/vllm/x.py "b/vllm/x.py"', "malformed file names"),
+        (b"a/vllm/x.py b/vllm/y.py", "names two files"),
+    ],
+)
+def test_a_diff_header_with_odd_file_names_is_refused_in_one_line(
+    names: bytes, message: str
+) -> None:
+    diff = b"diff --git " + names + b"\n@@ -1 +1 @@\n-a\n+b\n"
+    with pytest.raises(
+        StackError, match=f"0001-layer-1.patch: diff line 1 .*{message}"
+    ):
+        parse_diff(diff, "0001-layer-1.patch")
