@@ -168,7 +168,7 @@ def classify(
             _land(tree, layer, stack)
             continue
         git(tree, "cherry-pick", "--no-commit", layer_tag(layer.number), check=False)
-        conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").splitlines()
+        conflicted = _split_z(git(tree, "diff", "--name-only", "-z", "--diff-filter=U"))
         if conflicted or clash:
             result.status = "conflict"
             result.files = conflicted + [
@@ -222,6 +222,11 @@ def classify(
         result.note = _join(there if present else "", without)
         commit_all(tree, layer.patch.commit_message(), date="1980-01-01T00:00:00+0000")
     return results
+
+
+def _split_z(out: str) -> list[str]:
+    """Paths git listed with ``-z``: under their real names, none quoted."""
+    return [path for path in out.split("\0") if path]
 
 
 def _join(*parts: str) -> str:

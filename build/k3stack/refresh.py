@@ -87,6 +87,8 @@ def read_layer(
             tree,
             "-c",
             "diff.suppressBlankEmpty=false",
+            "-c",
+            "core.quotePath=true",
             "diff",
             "--full-index",
             "--no-renames",

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import UPSTREAM_FILES, Synthetic
+from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
 from k3stack import StackError
 from k3stack.gitutil import git
@@ -670,3 +670,41 @@ def test_refresh_after_the_pristine_commit_was_rewritten_says_so(
     with pytest.raises(StackError, match="does not descend from the pristine"):
         refresh(filled.stack(), filled.tree)
     assert snapshot(filled) == before
+
+
+NAIVE = "".join(f"X_{i} = {i}\n" for i in range(10))
+
+
+def with_naive_file(syn: Synthetic, tmp_path: Path) -> Path:
+    """Apply ``syn`` on an upstream that also has ``vllm/naïve.py`` (a name
+    git's diff writes C-quoted: "a/vllm/na\\303\\257ve.py") and make layer 1
+    change it; returns that upstream's sdist."""
+    files = dict(UPSTREAM_FILES, **{"vllm/naïve.py": NAIVE})
+    sdist = make_sdist(tmp_path / "vllm-1.0-naive.tar.gz", files)
+    syn.apply(sdist=sdist)
+    syn.amend(1, {"vllm/naïve.py": NAIVE.replace("X_5 = 5", "X_5 = 55")})
+    return sdist
+
+
+def test_refresh_and_apply_carry_a_change_to_an_upstream_file_git_quotes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    sdist = with_naive_file(filled, tmp_path)
+    assert "patches/0001-layer-1.patch: updated" in refresh(
+        filled.stack(), filled.tree, today=dt.date(2026, 11, 3)
+    )
+    assert "vllm/naïve.py" in [fp.path for fp in filled.stack().layer(1).patch.files]
+    git(filled.root, "add", "-A")
+    git(filled.root, "commit", "-q", "-m", "layer 1 changes naïve.py")
+    filled.apply(sdist=sdist)
+    assert "X_5 = 55" in git(filled.tree, "show", "layer-1:vllm/naïve.py")
+
+
+def test_refresh_quotes_file_names_whatever_the_tree_s_quote_path_setting(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    with_naive_file(filled, tmp_path)
+    git(filled.tree, "config", "core.quotePath", "false")
+    refresh(filled.stack(), filled.tree, today=dt.date(2026, 11, 3))
+    patch = (filled.root / "patches" / "0001-layer-1.patch").read_bytes()
+    assert b'diff --git "a/vllm/na\\303\\257ve.py" "b/vllm/na\\303\\257ve.py"' in patch

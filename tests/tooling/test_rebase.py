@@ -270,3 +270,20 @@ def test_a_checkout_without_commits_is_refused_in_one_line_before_any_work(
         rebase_command(None, None, args)  # type: ignore[arg-type]
     assert "\n" not in str(e.value)
     assert not (tmp_path / "report").exists()
+
+
+def test_a_conflict_in_an_upstream_file_git_quotes_is_named_plainly(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    naive = "".join(f"X_{i} = {i}\n" for i in range(10))
+    files = dict(UPSTREAM_FILES, **{"vllm/naïve.py": naive})
+    filled.apply(sdist=make_sdist(tmp_path / "vllm-1.0-naive.tar.gz", files))
+    refill(filled, 1, {"vllm/naïve.py": naive.replace("X_5 = 5", "X_5 = 55")})
+    filled.apply(sdist=make_sdist(tmp_path / "vllm-1.0-naive.tar.gz", files))
+    files["vllm/naïve.py"] = naive.replace("X_5 = 5", "X_5 = 6")
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert results[0].status == "conflict"
+    assert results[0].files == ["vllm/naïve.py"]
+    assert any(h.startswith("vllm/naïve.py:") for h in results[0].hunks)
