@@ -148,6 +148,7 @@ def test_slots_past_the_model_length_have_no_sample_position(client):
         ({"return_logits": "yes"}, "return_logits must be a boolean"),
         ({"return_logits": True, "logits_topk": 0}, "logits_topk must be"),
         ({"return_logits": True, "logits_topk": VOCAB + 1}, "logits_topk must be"),
+        ({"return_logits": True, "logits_topk": None}, "logits_topk must be"),
         ({"logits_topk": 4}, "needs return_logits"),
         ({"return_logits": True, "logits_top_k": 4}, "unknown header fields"),
     ],

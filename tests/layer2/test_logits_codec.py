@@ -311,6 +311,8 @@ def test_requested_format(header, expected):
         {"return_logits": True, "logits_topk": V + 1},
         {"return_logits": True, "logits_topk": True},
         {"return_logits": True, "logits_topk": 2.0},
+        {"return_logits": True, "logits_topk": None},
+        {"logits_topk": None},
     ],
 )
 def test_malformed_request_fields_are_refused(header):

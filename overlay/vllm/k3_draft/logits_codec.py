@@ -118,22 +118,23 @@ class LogitsFormat:
 def requested_format(header: Mapping[str, Any], vocab_size: int) -> LogitsFormat | None:
     """Server side: the logits a PROPOSE ``header`` asks for (None: none).
 
-    ``return_logits`` must be a boolean; ``logits_topk`` an integer in
-    ``[1, vocab_size]`` and only with ``return_logits: true``. Anything else
-    raises ``ProtocolError``.
+    ``return_logits`` must be a boolean; ``logits_topk``, when present (null
+    included), an integer in ``[1, vocab_size]`` and only with
+    ``return_logits: true``. Anything else raises ``ProtocolError``.
     """
     wanted = header.get(RETURN_LOGITS, False)
     if type(wanted) is not bool:
         raise ProtocolError(f"{RETURN_LOGITS} must be a boolean")
-    topk = header.get(LOGITS_TOPK)
-    if topk is not None:
+    topk = 0
+    if LOGITS_TOPK in header:
+        topk = header[LOGITS_TOPK]
         if not wanted:
             raise ProtocolError(f"{LOGITS_TOPK} needs {RETURN_LOGITS}: true")
         if type(topk) is not int or not 1 <= topk <= vocab_size:
             raise ProtocolError(
                 f"{LOGITS_TOPK} must be an integer in [1, {vocab_size}], got {topk!r}"
             )
-    return LogitsFormat(vocab_size, topk or 0) if wanted else None
+    return LogitsFormat(vocab_size, topk) if wanted else None
 
 
 def sample_positions(
