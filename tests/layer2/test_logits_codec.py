@@ -277,6 +277,15 @@ def test_sample_positions_are_json_ints_and_none_past_the_model_length():
     assert json.loads(json.dumps(positions)) == positions
 
 
+@pytest.mark.parametrize("topk", [0, 5])
+@pytest.mark.parametrize("columns", [V + 8, V - 8])
+def test_engine_logits_of_another_vocabulary_width_are_refused(topk, columns):
+    logits = torch.zeros(len(ANCHORS), K, columns, dtype=torch.bfloat16)
+    positions = sample_positions(ANCHORS, K, MAX_LEN)
+    with pytest.raises(ValueError, match=f"have {columns} columns, not {V}"):
+        encode_logits(logits, LogitsFormat(V, topk), positions)
+
+
 def test_missing_frame_is_refused():
     fmt, meta, _ = _full_case()
     with pytest.raises(ProtocolError, match="carries 0 frames"):
