@@ -64,6 +64,38 @@ def test_a_replay_reads_the_buffer_as_it_is_now() -> None:
     assert bytes(host.numpy()) == _eager(logits, 64)
 
 
+def test_another_shape_or_strides_at_one_address_is_a_new_key() -> None:
+    # An engine with CUDA graphs returns graph_logits[:num_reqs]: batches of
+    # different sizes share one address. The 5-row view and the strided view
+    # are new keys (first sighting: eager, nothing written), never a replay of
+    # a graph captured for another view of the same address.
+    graphs, buf = TopkGraphs(), _logits(8, seed=6)
+    host = _pinned(8 * K * 64 * 6)  # one staging buffer, sliced as the server's
+    views = [
+        (buf[:8], False),
+        (buf[:8], True),
+        (buf[:5], False),
+        (buf[:5], True),
+        (buf[:8], True),
+        (buf[:4], False),
+        (buf[:4], True),
+        (buf[::2], False),  # shape [4, K, V] at buf's address, rows 0, 2, 4, 6
+        (buf[::2], True),
+        (buf[:4], True),
+    ]
+    for step, (view, replayed) in enumerate(views):
+        assert view.data_ptr() == buf.data_ptr()
+        buf.copy_(_logits(8, seed=20 + step))
+        host.zero_()
+        frame = host[: view.shape[0] * K * 64 * 6]
+        assert graphs.write(view, 64, frame) == replayed, step
+        if replayed:
+            assert bytes(frame.numpy()) == _eager(view, 64), step
+        else:
+            assert not host.any(), step
+    assert len(graphs) == 4
+
+
 def test_a_buffer_that_moves_every_call_is_never_captured() -> None:
     graphs = TopkGraphs()
     host = _pinned(8 * K * 64 * 6)
