@@ -351,6 +351,23 @@ def test_an_ipc_path_too_long_for_a_unix_socket_address_is_refused(tmp_path, cap
     assert "more than the 107 a Unix socket address holds" in err
 
 
+@pytest.mark.parametrize(
+    "address, reason",
+    [
+        # .invalid never resolves (RFC 6761); 203.0.113.0/24 is for documentation.
+        ("tcp://draft-host.invalid:5555", "names no interface and no host that"),
+        ("tcp://203.0.113.7:5597", "is not an address of this machine"),
+    ],
+)
+def test_a_tcp_host_this_machine_cannot_bind_is_refused_at_parse_time(
+    address, reason, capsys
+):
+    err = refused(["--address", address, "--allow-unsafe-remote-rpc"], capsys)
+    (error,) = [line for line in err.splitlines() if "error:" in line]
+    assert f"error: argument --address: cannot bind {address}: " in error
+    assert reason in error
+
+
 def test_curve_key_gone_before_bind_is_refused_in_one_line(tmp_path, caplog):
     (tmp_path / "clients").mkdir()
     _, secret = zmq.auth.create_certificates(str(tmp_path), "server")

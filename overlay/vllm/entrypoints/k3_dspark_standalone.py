@@ -69,7 +69,7 @@ from vllm.k3_draft.security import (
     BindRefused,
     CurveConfig,
     check_bind,
-    check_ipc_path,
+    check_bindable,
     warn_if_unsafe,
 )
 from vllm.k3_draft.server import DraftServer
@@ -291,9 +291,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(str(exc))
     try:
         check_bind(args.address, args.curve, args.allow_unsafe_remote_rpc)
-        check_ipc_path(args.address)
+        check_bindable(args.address)
     except BindRefused as exc:
-        parser.error(str(exc))
+        parser.error(f"argument --address: {exc}")
     if args.enable_cuda_graph and args.device.type != "cuda":
         parser.error("--enable-cuda-graph needs a CUDA --device")
     unused = _REFERENCE_ONLY if args.engine == "production" else _PRODUCTION_ONLY

@@ -20,10 +20,13 @@
 * An ipc path must fit a Unix socket address, lie in an existing directory and
   not name anything but a socket (ZeroMQ unlinks the path before it binds);
   at bind time, a socket on which a server accepts connections is in use.
+* A TCP host must be bindable on this machine (an address of it, an interface
+  or a name ZeroMQ resolves to one), tried before anything is loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket as _socket
@@ -175,6 +178,45 @@ def check_ipc_path(address: str) -> None:
         raise BindRefused(f"ipc path {path}: {exc.strerror}") from exc
     if not stat.S_ISSOCK(mode):
         raise BindRefused(f"ipc path {path} exists and is not a socket")
+
+
+# Why ZeroMQ cannot bind a TCP host, in the operator's terms.
+_TCP_BIND_REASONS = {
+    errno.ENODEV: "names no interface and no host that resolves",
+    errno.EADDRNOTAVAIL: "is not an address of this machine",
+}
+
+
+def check_bindable(address: str) -> None:
+    """Refuse an address this machine cannot bind, before anything is loaded:
+    an ipc path as ``check_ipc_path`` does; a TCP host that ZeroMQ cannot bind
+    (a name that does not resolve, an address not on this machine, an
+    interface without an address), tried by binding it on a port the system
+    picks with ZeroMQ's own resolver (which also takes interface names). The
+    port is not tried: one in use may be freed by the time the server binds.
+    Call after ``bind_scope`` accepted the address. Raises ``BindRefused``."""
+    check_ipc_path(address)
+    transport, _, endpoint = address.partition("://")
+    if transport != "tcp":
+        return
+    host = endpoint.rpartition(":")[0]
+    context = zmq.Context()
+    try:
+        probe = context.socket(zmq.PAIR)
+        probe.setsockopt(zmq.LINGER, 0)
+        if needs_ipv6(address):
+            probe.setsockopt(zmq.IPV6, 1)
+        try:
+            probe.bind(f"tcp://{host}:*")
+        except zmq.ZMQError as exc:
+            code = exc.errno or 0
+            reason = _TCP_BIND_REASONS.get(code)
+            why = f"{host} {reason}" if reason else f"{host}: {zmq.strerror(code)}"
+            raise BindRefused(f"cannot bind {address}: {why}") from None
+        finally:
+            probe.close()
+    finally:
+        context.term()
 
 
 def claim_ipc_path(address: str) -> None:
