@@ -3,6 +3,7 @@
 """CLI validation at parse time and the start-up memory checks."""
 
 import logging
+import re
 import socket
 import threading
 from pathlib import Path
@@ -37,6 +38,31 @@ def test_valid_reference_arguments_parse():
     args = parse_args(BASE + ["--max-requests", "8", "--max-num-seqs", "8"])
     assert args.limits.max_requests == 8 and args.prefix_cache_tokens == 128
     assert args.reference.method == "dflash"
+
+
+@pytest.mark.parametrize(
+    "flag, default",
+    [
+        ("--window-size", "2048"),
+        ("--max-speculative-tokens", "8"),
+        ("--max-requests", "256"),
+        ("--max-num-seqs", "64"),
+        ("--max-context-tokens", "8192"),
+        ("--max-model-len", "131072"),
+        ("--block-size", "16"),
+        ("--min-free-memory-gib", "1.0"),
+        ("--status-port", "8101"),
+        ("--device", "cuda"),
+        ("--hidden-size", "64"),
+    ],
+)
+def test_help_states_the_default_of_each_flag(flag, default, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out)
+    (entry,) = [e for e in entries if e.startswith(flag + " ")]
+    assert f"(default: {default})" in " ".join(entry.split())
 
 
 @pytest.mark.parametrize(

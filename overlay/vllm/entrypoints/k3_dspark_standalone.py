@@ -162,10 +162,20 @@ def make_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--address",
         default="tcp://127.0.0.1:5555",
-        help="ZeroMQ bind address of the RPC socket (ipc://, inproc:// or tcp://)",
+        help="ZeroMQ bind address of the RPC socket (ipc://, inproc:// or "
+        "tcp://) (default: %(default)s)",
     )
-    net.add_argument("--status-host", default="127.0.0.1")
-    net.add_argument("--status-port", type=_port, default=8101)
+    net.add_argument(
+        "--status-host",
+        default="127.0.0.1",
+        help="HTTP status server host (default: %(default)s)",
+    )
+    net.add_argument(
+        "--status-port",
+        type=_port,
+        default=8101,
+        help="HTTP status server port (default: %(default)s)",
+    )
     net.add_argument(
         "--curve-secret-key",
         type=_existing_file,
@@ -187,28 +197,44 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-requests",
         type=_positive_int,
         default=256,
-        help="retained requests (KV slots)",
+        help="retained requests (KV slots) (default: %(default)s)",
     )
     limits.add_argument(
         "--max-num-seqs",
         type=_positive_int,
         default=64,
-        help="most requests in one PROPOSE (batch size)",
+        help="most requests in one PROPOSE (batch size) (default: %(default)s)",
     )
-    limits.add_argument("--max-speculative-tokens", type=_positive_int, default=8)
+    limits.add_argument(
+        "--max-speculative-tokens",
+        type=_positive_int,
+        default=8,
+        help="most draft tokens per request and step (default: %(default)s)",
+    )
     limits.add_argument(
         "--max-context-tokens",
         type=_positive_int,
         default=8192,
-        help="most context rows in one PROPOSE",
+        help="most context rows in one PROPOSE (default: %(default)s)",
     )
-    limits.add_argument("--max-model-len", type=_positive_int, default=131072)
-    limits.add_argument("--block-size", type=_positive_int, default=16)
+    limits.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=131072,
+        help="the verifier's max_model_len (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=16,
+        help="draft KV block size in tokens (default: %(default)s)",
+    )
     limits.add_argument(
         "--window-size",
         type=_positive_int,
         default=2048,
-        help="draft attention window, a multiple of the block size",
+        help="draft attention window, a multiple of the block size "
+        "(default: %(default)s)",
     )
     limits.add_argument(
         "--prefix-cache-tokens",
@@ -218,10 +244,23 @@ def make_parser() -> argparse.ArgumentParser:
 
     device = parser.add_argument_group("engine and device")
     device.add_argument(
-        "--engine", choices=("reference", "production"), default="production"
+        "--engine",
+        choices=("reference", "production"),
+        default="production",
+        help="production: the draft checkpoint; reference: a small random "
+        "draft for tests (default: %(default)s)",
     )
-    device.add_argument("--device", type=_device, default=torch.device("cuda"))
-    device.add_argument("--enable-cuda-graph", action="store_true")
+    device.add_argument(
+        "--device",
+        type=_device,
+        default=torch.device("cuda"),
+        help="cpu, cuda or cuda:N (default: %(default)s)",
+    )
+    device.add_argument(
+        "--enable-cuda-graph",
+        action="store_true",
+        help="capture CUDA graphs of the draft pass at start-up",
+    )
     device.add_argument(
         "--memory-limit-gib",
         type=_positive_float,
@@ -235,7 +274,7 @@ def make_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=1.0,
         help="free device memory required after CUDA graph capture (or, "
-        "without graphs, after the largest query ran once)",
+        "without graphs, after the largest query ran once) (default: %(default)s)",
     )
 
     prod = parser.add_argument_group("production engine")
@@ -251,13 +290,23 @@ def make_parser() -> argparse.ArgumentParser:
     )
 
     ref = parser.add_argument_group("reference engine (tests, qualification)")
-    ref.add_argument("--method", choices=("dflash", "dspark"))
-    ref.add_argument("--vocab-size", type=_positive_int)
-    ref.add_argument("--context-width", type=_positive_int)
-    ref.add_argument("--hidden-size", type=_positive_int)
-    ref.add_argument("--num-layers", type=_positive_int)
-    ref.add_argument("--num-heads", type=_positive_int)
-    ref.add_argument("--seed", type=_non_negative_int)
+    # Unset (None) unless given, so that the production engine can refuse them.
+    model = ReferenceModelConfig()
+    ref.add_argument(
+        "--method",
+        choices=("dflash", "dspark"),
+        help=f"draft method (default: {model.method})",
+    )
+    for flag, parse, what in (
+        ("--vocab-size", _positive_int, "vocabulary size"),
+        ("--context-width", _positive_int, "width of a context row"),
+        ("--hidden-size", _positive_int, "hidden size"),
+        ("--num-layers", _positive_int, "decoder layers"),
+        ("--num-heads", _positive_int, "attention heads"),
+        ("--seed", _non_negative_int, "seed of the random weights"),
+    ):
+        default = getattr(model, flag[2:].replace("-", "_"))
+        ref.add_argument(flag, type=parse, help=f"{what} (default: {default})")
     return parser
 
 
