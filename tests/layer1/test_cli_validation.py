@@ -239,7 +239,16 @@ def test_authorized_keys_directory_without_certificates_is_refused(tmp_path, cap
 
 
 def test_reference_model_shape_is_validated(capsys):
-    assert "num_heads" in refused(["--hidden-size", "60", "--num-heads", "4"], capsys)
+    err = refused(["--hidden-size", "60", "--num-heads", "4"], capsys)
+    assert "reference draft (--hidden-size 60, --num-heads 4): " in err
+    assert "num_heads" in err
+
+
+def test_a_reference_weight_beyond_int64_elements_is_refused_naming_the_flags(capsys):
+    size = str(2**63 - 8)
+    err = refused(["--hidden-size", size, "--num-heads", "4"], capsys)
+    assert f"reference draft (--hidden-size {size}, --num-heads 4): weight " in err
+    assert "holds more than 2**63 - 1 elements" in err
 
 
 def test_memory_plan_that_fits_passes():

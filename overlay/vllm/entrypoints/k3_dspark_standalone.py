@@ -364,7 +364,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 }
             )
         except ValueError as exc:
-            parser.error(str(exc))
+            shown = ", ".join(
+                f"--{name.replace('_', '-')} {getattr(args, name)}"
+                for name in _REFERENCE_ONLY
+                if getattr(args, name) is not None
+            )
+            parser.error(f"reference draft ({shown}): {exc}")
     elif args.draft_model is None or args.target_model is None:
         parser.error("--engine production needs --draft-model and --target-model")
     if args.device.type == "cuda":

@@ -21,6 +21,7 @@ engine (``production_engine``) loads real checkpoints into the same code.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,8 @@ logger = init_logger(__name__)
 
 # Valid-start of padding rows: no context position is attended.
 _NO_CONTEXT = 1 << 62
+# The most elements a torch tensor counts.
+_MAX_NUMEL = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,11 @@ class DraftShape:
             raise ValueError("a DSpark draft (only) has a Markov head rank")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask token {self.mask_token_id} outside the vocabulary")
+        for weight, size in self.weight_shapes().items():
+            if math.prod(size) > _MAX_NUMEL:
+                raise ValueError(
+                    f"weight {weight} {size} holds more than 2**63 - 1 elements"
+                )
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Engine weight names -> shapes (per-layer weights stacked)."""
