@@ -7,6 +7,7 @@ returns. The request table is ``toy_target.TokenTable`` (upstream's
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -167,6 +168,25 @@ def test_data_parallelism_is_refused_at_init(
 ):
     config = make_vllm_config(tmp_path)
     config.parallel_config.data_parallel_size = 2
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
+        make_speculator(scripted_server.address, config=config)
+    assert scripted_server.ops() == []
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1])
+def test_every_rank_of_a_dense_data_parallel_engine_is_refused_at_init(
+    tmp_path, make_speculator, scripted_server, dp_rank
+):
+    config = copy.deepcopy(make_vllm_config(tmp_path, data_parallel_size=2))
+    assert not config.model_config.is_moe
+    parallel_config = config.parallel_config
+    # What EngineCoreProc.run_engine_core does for a dense model before its
+    # workers (and so the speculator) are built: every DP rank becomes an
+    # independent engine that its workers see as data_parallel_size=1.
+    parallel_config.data_parallel_index = dp_rank
+    parallel_config.data_parallel_rank_local = dp_rank
+    parallel_config.reconfigure_for_independent_dp_rank()
+    assert parallel_config.data_parallel_size == 1
     with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
         make_speculator(scripted_server.address, config=config)
     assert scripted_server.ops() == []

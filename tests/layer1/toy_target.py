@@ -73,6 +73,7 @@ def make_vllm_config(
     num_speculative_tokens: int = 3,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 512,
+    data_parallel_size: int = 1,
 ) -> Any:
     """A real VllmConfig of a tiny target + draft (configs written to root)."""
     from vllm.config import (
@@ -132,6 +133,7 @@ def make_vllm_config(
             is_encoder_decoder=False,
         ),
         device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(data_parallel_size=data_parallel_size),
     )
 
 

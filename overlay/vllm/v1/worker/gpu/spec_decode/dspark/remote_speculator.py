@@ -195,13 +195,22 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
                 f"{REMOTE_METHODS}, not {method!r}."
             )
         parallel_config = vllm_config.parallel_config
-        if parallel_config.data_parallel_size > 1:
-            # The plan takes itself for the server's only client: engines
-            # sharing one server would FREE and CLEAR each other's requests.
+        # The plan takes itself for the server's only client: engines sharing
+        # one server would FREE and CLEAR each other's requests. A dense
+        # model's DP ranks are independent engines whose workers see
+        # data_parallel_size=1 (reconfigure_for_independent_dp_rank); the DP
+        # size the deployment was configured with survives in
+        # elastic_ep_max_dp_size (at least data_parallel_size), and the rank in
+        # data_parallel_index.
+        dp_size = max(
+            parallel_config.data_parallel_size,
+            parallel_config.elastic_ep_max_dp_size or 1,
+            parallel_config.data_parallel_index + 1,
+        )
+        if dp_size > 1:
             raise ValueError(
                 "Remote drafting serves one engine per draft server; "
-                f"data_parallel_size={parallel_config.data_parallel_size} "
-                "is not supported."
+                f"data_parallel_size={dp_size} is not supported."
             )
         if parallel_config.prefill_context_parallel_size > 1:
             raise ValueError(
