@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU qualification on a CUDA machine that has torch, triton, numpy and pytest
-# but no vllm (the lent H200): every GPU-marked test file, then the GPU
+# but no vllm (the lent H200): every GPU-marked test file (those that run
+# vllm's own code with the stack's vllm Python from .whl-vllm/), then the GPU
 # benchmarks. Logs and JSON go to $OUT (default dist/gpu). pyzmq, if missing,
-# comes from wheels in .whl/. Prepare .upstream/ and .whl/ with ci/gpu-carry.sh.
+# comes from wheels in .whl/. Prepare .upstream/, .whl/ and .whl-vllm/ with
+# ci/gpu-carry.sh.
 set -uo pipefail
 OUT=${OUT:-dist/gpu}
 mkdir -p "$OUT"
@@ -36,6 +38,34 @@ timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m "$marks" \
 if grep -Eq "[0-9]+ skipped" "$OUT/gpu-tests.txt"; then
   echo "gpu-h200: GPU tests were skipped (see $OUT/gpu-tests.txt): failing"
   status=1
+fi
+# GPU tests that run vllm's own code (layer 3 through the runner): with the
+# stack installed, as it is; on a box without vllm, the stack's vllm Python
+# and the packages it imports, carried in .whl-vllm/ (ci/gpu-carry.sh), in a
+# site of their own in front of the path (no compiled extensions: its platform
+# plugin keeps vLLM on its platform-neutral code).
+vllm_path=""
+vllm_tests=1
+if ! python3 -c "import vllm.v1.worker.gpu.model_runner" >/dev/null 2>&1; then
+  if ls .whl-vllm/*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/k3-vllm-site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/k3-vllm-site \
+      .whl-vllm/*.whl 2>&1 | grep -v "pip as the 'root' user"
+    vllm_path=/tmp/k3-vllm-site
+  else
+    echo "gpu-h200: vllm is not importable and there is no .whl-vllm/ (ci/gpu-carry.sh): the GPU tests of vllm's own code cannot run: failing"
+    status=1
+    vllm_tests=0
+  fi
+fi
+if [ "$vllm_tests" = 1 ]; then
+  PYTHONPATH="${vllm_path:+$vllm_path:}$PYTHONPATH" timeout 300 python3 -m pytest -q -rfEs \
+    -p no:cacheprovider -m "$marks" tests/layer3/test_deferred_resolve_gpu.py \
+    2>&1 | tee "$OUT/gpu-tests-vllm.txt" | tail -20 || status=1
+  if grep -Eq "[0-9]+ skipped" "$OUT/gpu-tests-vllm.txt"; then
+    echo "gpu-h200: GPU tests were skipped (see $OUT/gpu-tests-vllm.txt): failing"
+    status=1
+  fi
 fi
 # Multi-rank checks (TP broadcast, DCP merge, replicated draft) at every
 # power-of-two world size the GPUs allow, NCCL with NVLink multicast off.

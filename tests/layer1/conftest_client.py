@@ -7,9 +7,9 @@
 * ``vllm_config_factory`` (session): ``factory(**kwargs)`` -> a real
   ``VllmConfig`` (``toy_target.make_vllm_config``), cached per arguments.
 * ``oracle`` (session): the in-process ``DraftOracle``.
-* ``make_speculator``: ``make(address, config=None, timeout_ms=2000)`` ->
-  ``(speculator, table)``: a ``RemoteK3DSparkSpeculator`` over a fresh host
-  token table (``toy_target.TokenTable``).
+* ``make_speculator``: ``make(address, config=None, timeout_ms=2000,
+  device="cpu")`` -> ``(speculator, table)``: a ``RemoteK3DSparkSpeculator``
+  on ``device`` over a fresh host token table (``toy_target.TokenTable``).
 * ``scripted_server``: a ``ScriptedServer`` (real ZeroMQ REP on loopback)
   whose replies each test scripts, for failure kinds a real server never
   produces.
@@ -82,7 +82,9 @@ def make_speculator(
 
     built: list[Any] = []
 
-    def make(address: str, config: Any = None, timeout_ms: int = 2000) -> Any:
+    def make(
+        address: str, config: Any = None, timeout_ms: int = 2000, device: str = "cpu"
+    ) -> Any:
         monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", str(timeout_ms))
         config = config or vllm_config_factory()
         table = TokenTable(
@@ -94,7 +96,7 @@ def make_speculator(
         )
         speculator = RemoteK3DSparkSpeculator(
             config,
-            torch.device("cpu"),
+            torch.device(device),
             cast(Any, table),
             address,
         )

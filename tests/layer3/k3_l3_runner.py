@@ -41,8 +41,10 @@ class DraftTable:
     """``req_states.draft_tokens`` that records every store with the owner of
     each slot at that moment."""
 
-    def __init__(self, owners: dict[int, str], log: list[tuple], k: int) -> None:
-        self.data = torch.full((NUM_SLOTS, k), -9, dtype=torch.int64)
+    def __init__(
+        self, owners: dict[int, str], log: list[tuple], k: int, device: torch.device
+    ) -> None:
+        self.data = torch.full((NUM_SLOTS, k), -9, dtype=torch.int64, device=device)
         self.owners = owners
         self.log = log
 
@@ -58,11 +60,11 @@ class DraftTable:
 class FakeRequestStates:
     """The slots of ``RequestState`` (its real buffers need CUDA)."""
 
-    def __init__(self, log: list[tuple], k: int) -> None:
+    def __init__(self, log: list[tuple], k: int, device: torch.device) -> None:
         self.log = log
         self.req_id_to_index: dict[str, int] = {}
         self.owners: dict[int, str] = {}
-        self.draft_tokens = DraftTable(self.owners, log, k)
+        self.draft_tokens = DraftTable(self.owners, log, k, device)
         self.num_computed_tokens_np = np.zeros(NUM_SLOTS, dtype=np.int32)
         self.prefill_len = SimpleNamespace(np=np.zeros(NUM_SLOTS, dtype=np.int32))
         self.num_computed_prefill_tokens = np.zeros(NUM_SLOTS, dtype=np.int32)
@@ -72,9 +74,14 @@ class FakeRequestStates:
         self.num_computed_tokens = SimpleNamespace(gpu=None)
         self.prompt_len = SimpleNamespace(np=np.zeros(NUM_SLOTS, dtype=np.int32))
         self.last_sampled_tokens = (
-            torch.arange(NUM_SLOTS, dtype=torch.int64).reshape(NUM_SLOTS, 1) + 40
+            torch.arange(NUM_SLOTS, dtype=torch.int64, device=device).reshape(
+                NUM_SLOTS, 1
+            )
+            + 40
         )
-        self.next_prefill_tokens = torch.zeros(1, NUM_SLOTS, dtype=torch.int32)
+        self.next_prefill_tokens = torch.zeros(
+            1, NUM_SLOTS, dtype=torch.int32, device=device
+        )
 
     def add_request(self, req_id: str, **kwargs: Any) -> None:
         slot = min(set(range(NUM_SLOTS)) - set(self.owners))
@@ -124,15 +131,22 @@ def _sample(
     hidden_states: torch.Tensor, input_batch: Any, grammar_output: Any
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """``GPUModelRunner.sample``: one token sampled, none rejected."""
-    n = input_batch.num_reqs
-    sampled = SimpleNamespace(sampled_token_ids=torch.zeros(n, 1, dtype=torch.int64))
-    return sampled, torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    n, device = input_batch.num_reqs, hidden_states.device
+    sampled = SimpleNamespace(
+        sampled_token_ids=torch.zeros(n, 1, dtype=torch.int64, device=device)
+    )
+    return (
+        sampled,
+        torch.ones(n, dtype=torch.int32, device=device),
+        torch.zeros(n, dtype=torch.int32, device=device),
+    )
 
 
 def runner_factory(monkeypatch: pytest.MonkeyPatch) -> Callable[..., GPUModelRunner]:
     """``make(speculator, log, k)``: a runner of ``speculator`` (its
     ``k3_deferred`` is the speculator's resolution strategy) whose stores and
-    output copies of draft tokens and request adds/removes go to ``log``."""
+    output copies of draft tokens and request adds/removes go to ``log``; its
+    request states live on the speculator's device."""
     monkeypatch.setattr(model_runner, "AsyncOutput", FakeAsyncOutput)
 
     def make(
@@ -143,6 +157,7 @@ def runner_factory(monkeypatch: pytest.MonkeyPatch) -> Callable[..., GPUModelRun
         seeds: torch.Tensor | None = None,
     ) -> GPUModelRunner:
         runner = GPUModelRunner.__new__(GPUModelRunner)
+        device = speculator.device
         parts: dict[str, Any] = dict(
             speculator=speculator,
             k3_deferred=(
@@ -151,7 +166,7 @@ def runner_factory(monkeypatch: pytest.MonkeyPatch) -> Callable[..., GPUModelRun
                 else None
             ),
             k3_no_draft_ids=None,
-            req_states=FakeRequestStates(log, k),
+            req_states=FakeRequestStates(log, k, device),
             draft_tokens_handler=RecordingHandler(log),
             num_speculative_steps=k,
             scheduler_config=SimpleNamespace(async_scheduling=True),
@@ -177,8 +192,12 @@ def runner_factory(monkeypatch: pytest.MonkeyPatch) -> Callable[..., GPUModelRun
             lora_state=Inert(),
             kv_connector=Inert(),
             sampler=FakeSampler(
-                torch.zeros(NUM_SLOTS) if temperature is None else temperature,
-                torch.zeros(NUM_SLOTS, dtype=torch.int64) if seeds is None else seeds,
+                torch.zeros(NUM_SLOTS, device=device)
+                if temperature is None
+                else temperature,
+                torch.zeros(NUM_SLOTS, dtype=torch.int64, device=device)
+                if seeds is None
+                else seeds,
             ),
         )
         runner.__dict__.update(parts)
@@ -193,9 +212,13 @@ def runner_factory(monkeypatch: pytest.MonkeyPatch) -> Callable[..., GPUModelRun
 
 def sample_tokens(runner: GPUModelRunner, batch: Any, k: int, seed: int) -> Any:
     """The real ``sample_tokens`` of a step of ``batch`` whose forward ran:
-    random aux hidden states (seeded by ``seed``), ``k`` draft tokens."""
+    random aux hidden states (seeded by ``seed``) on the batch's device, ``k``
+    draft tokens."""
     gen = torch.Generator().manual_seed(seed)
-    aux = [torch.randn(batch.num_tokens, HIDDEN, generator=gen) for _ in range(NUM_AUX)]
+    aux = [
+        torch.randn(batch.num_tokens, HIDDEN, generator=gen).to(batch.positions.device)
+        for _ in range(NUM_AUX)
+    ]
     runner.execute_model_state = ExecuteModelState(
         input_batch=batch,
         attn_metadata={},
