@@ -39,7 +39,8 @@ if grep -Eq "[0-9]+ skipped" "$OUT/gpu-tests.txt"; then
   echo "gpu-h200: GPU tests were skipped (see $OUT/gpu-tests.txt): failing"
   status=1
 fi
-# GPU tests that run vllm's own code (layer 3 through the runner): with the
+# GPU tests that run vllm's own code (layer 3 through the runner, layer 5
+# through the metadata builder and the MLA impl): with the
 # stack installed, as it is; on a box without vllm, the stack's vllm Python
 # and the packages it imports, carried in .whl-vllm/ (ci/gpu-carry.sh), in a
 # site of their own in front of the path (no compiled extensions: its platform
@@ -61,6 +62,7 @@ fi
 if [ "$vllm_tests" = 1 ]; then
   PYTHONPATH="${vllm_path:+$vllm_path:}$PYTHONPATH" timeout 300 python3 -m pytest -q -rfEs \
     -p no:cacheprovider -m "$marks" tests/layer3/test_deferred_resolve_gpu.py \
+    tests/layer5/test_verify_routing_gpu.py \
     2>&1 | tee "$OUT/gpu-tests-vllm.txt" | tail -20 || status=1
   if grep -Eq "[0-9]+ skipped" "$OUT/gpu-tests-vllm.txt"; then
     echo "gpu-h200: GPU tests were skipped (see $OUT/gpu-tests-vllm.txt): failing"
