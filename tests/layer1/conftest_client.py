@@ -147,35 +147,30 @@ class ScriptedServer:
     def ops(self) -> list[str]:
         return [op for op, _ in self.log]
 
+    def reply(self, op: str, **fields: Any) -> list[bytes]:
+        """A success reply to ``op`` naming this server (``pong``'s id)."""
+        server_id = self.pong["server_id"]
+        return [
+            protocol.encode_header(protocol.ok_reply(op, server_id=server_id, **fields))
+        ]
+
     def default(self, header: dict[str, Any], frames: list[bytes]) -> list:
         op = header["op"]
         if op == protocol.OP_PING:
             return [protocol.encode_header(protocol.ok_reply("PONG", **self.pong))]
         if op == protocol.OP_PROPOSE:
             k = header["num_speculative_tokens"]
-            tokens = [[5] * k for _ in header["requests"]]
-            return [
-                protocol.encode_header(
-                    protocol.ok_reply(
-                        op,
-                        tokens=tokens,
-                        latency_ms=0.1,
-                        timing_ms=dict.fromkeys(protocol.TIMING_FIELDS, 0.0),
-                    )
-                )
-            ]
+            return self.reply(
+                op,
+                tokens=[[5] * k for _ in header["requests"]],
+                latency_ms=0.1,
+                timing_ms=dict.fromkeys(protocol.TIMING_FIELDS, 0.0),
+            )
         if op == protocol.OP_RECONNECT:
-            return [
-                protocol.encode_header(
-                    protocol.ok_reply(
-                        op,
-                        restored_start=0,
-                        prefix_end=header["prefix_end"],
-                        latency_ms=0.1,
-                    )
-                )
-            ]
-        return [protocol.encode_header(protocol.ok_reply(op, active_requests=0))]
+            return self.reply(
+                op, restored_start=0, prefix_end=header["prefix_end"], latency_ms=0.1
+            )
+        return self.reply(op, active_requests=0)
 
     def _serve(self) -> None:
         poller = zmq.Poller()

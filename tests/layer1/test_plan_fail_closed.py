@@ -30,6 +30,8 @@ pytest_plugins = ("conftest_client",)
 
 K = 3
 WIDTH = 192
+# The scripted server's id (ScriptedServer.pong) that its replies name.
+SERVER_ID = "scripted-1"
 NEEDS = ServerRequirements(
     method="dflash",
     capabilities=frozenset(),
@@ -75,16 +77,21 @@ def _reply(**fields: Any) -> list[bytes]:
         "latency_ms": 0.1,
         "timing_ms": dict.fromkeys(protocol.TIMING_FIELDS, 0.0),
     }
-    return [protocol.encode_header(protocol.ok_reply("PROPOSE", **{**base, **fields}))]
+    reply = protocol.ok_reply("PROPOSE", server_id=SERVER_ID, **{**base, **fields})
+    return [protocol.encode_header(reply)]
 
 
 MALFORMED = {
     "error reply": [
-        protocol.encode_header(protocol.error_reply(ValueError("engine on fire")))
+        protocol.encode_header(
+            protocol.error_reply(ValueError("engine on fire"), SERVER_ID)
+        )
     ],
     "not json": [b"\xff{"],
     "wrong protocol": [b'{"ok": true, "protocol": 1, "op": "PROPOSE"}'],
-    "wrong op": [protocol.encode_header(protocol.ok_reply("FREE"))],
+    "wrong op": [
+        protocol.encode_header(protocol.ok_reply("FREE", server_id=SERVER_ID))
+    ],
     "too few rows": _reply(tokens=[[1, 2, 3]]),
     "short row": _reply(tokens=[[1, 2, 3], [4, 5]]),
     "out of vocabulary": _reply(tokens=[[1, 2, 3], [4, 5, 1024]]),
@@ -248,7 +255,11 @@ def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(
     plan.run(_step(["src"], count=40))
     scripted_server.handlers["RECONNECT"] = lambda h, f: [
         protocol.encode_header(
-            protocol.ok_reply("RECONNECT", **{"prefix_end": h["prefix_end"], **fields})
+            protocol.ok_reply(
+                "RECONNECT",
+                server_id=SERVER_ID,
+                **{"prefix_end": h["prefix_end"], **fields},
+            )
         )
     ]
     result = plan.run(_step(["new"], first=32, count=4))
@@ -275,6 +286,7 @@ def test_reconnect_prefers_the_source_holding_the_most_history(plan, scripted_se
     def restore_8_back(header, frames):
         reply = protocol.ok_reply(
             "RECONNECT",
+            server_id=SERVER_ID,
             restored_start=header["prefix_end"] - 8,
             prefix_end=header["prefix_end"],
             latency_ms=0.1,
@@ -384,7 +396,9 @@ def test_requests_of_a_propose_that_raised_unexpectedly_are_freed_next_step(
 
 def _free_reply(active: int):
     return lambda header, frames: [
-        protocol.encode_header(protocol.ok_reply("FREE", active_requests=active))
+        protocol.encode_header(
+            protocol.ok_reply("FREE", server_id=SERVER_ID, active_requests=active)
+        )
     ]
 
 
@@ -421,7 +435,8 @@ def test_a_server_holding_only_the_plans_requests_is_not_cleared(plan, scripted_
 
 
 def _failing_propose(header, frames):
-    return [protocol.encode_header(protocol.error_reply(RuntimeError("sticky fault")))]
+    error = protocol.error_reply(RuntimeError("sticky fault"), SERVER_ID)
+    return [protocol.encode_header(error)]
 
 
 @pytest.fixture

@@ -86,11 +86,13 @@ def _timings(scale: float) -> dict[str, float]:
 
 def test_propose_reply_decodes_to_the_ok_reply_of_its_fields():
     timing = _timings(1.23456789)
-    frame = protocol.encode_propose_reply([[5, 6, 7], [8, 9, 10]], timing)
+    head = protocol.propose_reply_head('s"1\\é')
+    frame = protocol.encode_propose_reply(head, [[5, 6, 7], [8, 9, 10]], timing)
     decoded = protocol.check_reply(protocol.decode_header(frame, 4096), "PROPOSE")
     rounded = {name: round(value, 4) for name, value in timing.items()}
     assert decoded == protocol.ok_reply(
         "PROPOSE",
+        server_id='s"1\\é',
         tokens=[[5, 6, 7], [8, 9, 10]],
         timing_ms=rounded,
         latency_ms=rounded["total"],
@@ -99,7 +101,8 @@ def test_propose_reply_decodes_to_the_ok_reply_of_its_fields():
 
 def test_propose_reply_carries_the_extension_entries():
     entries = [{"capability": "c", "num_frames": 1, "shape": [1, 3, 4]}]
-    frame = protocol.encode_propose_reply([[1, 2, 3]], _timings(0.5), entries)
+    head = protocol.propose_reply_head("s1")
+    frame = protocol.encode_propose_reply(head, [[1, 2, 3]], _timings(0.5), entries)
     assert protocol.decode_header(frame, 4096)["extensions"] == entries
 
 
@@ -119,19 +122,20 @@ def test_propose_request_does_not_truncate_a_float_count():
     assert entry["context_count"] == 1.5
 
 
-def test_error_reply_names_type_and_message():
-    reply = protocol.error_reply(ProtocolError("bad thing"))
+def test_error_reply_names_type_message_and_server():
+    reply = protocol.error_reply(ProtocolError("bad thing"), "s1")
     assert reply == {
         "ok": False,
         "protocol": 2,
         "op": "ERROR",
+        "server_id": "s1",
         "error": "ProtocolError: bad thing",
     }
 
 
 def test_check_reply_raises_remote_error_for_error_reply():
     with pytest.raises(RemoteError, match="^ValueError: nope$"):
-        protocol.check_reply(protocol.error_reply(ValueError("nope")), "RESET")
+        protocol.check_reply(protocol.error_reply(ValueError("nope"), "s1"), "RESET")
 
 
 def test_check_reply_accepts_pong_for_ping():

@@ -72,6 +72,23 @@ def test_pong_carries_every_pong_field(server):
     assert pong["op"] == "PONG" and pong["max_requests"] == 4
 
 
+def test_every_reply_names_the_server_process(server):
+    replies = [
+        call(server, "PING"),
+        propose(server, [entry("a", 20, 20, reset=True)]),
+        call(server, "RECONNECT", source_request_id="a", request_id="b", prefix_end=20),
+        call(server, "RESET", request_ids=["a"]),
+        call(server, "FREE", request_ids=["a"]),
+        call(server, "CLEAR"),
+        call(server, "FREE", request_ids=[""]),
+        propose(server, [entry("c", 3, 0)]),
+        json.loads(server.handle([b"\xff"])[0]),
+    ]
+    assert [reply["ok"] for reply in replies] == [True] * 6 + [False] * 3
+    assert {reply["server_id"] for reply in replies} == {server.server_id}
+    assert make_server().server_id != server.server_id
+
+
 def test_propose_returns_k_tokens_per_request_and_timings(server):
     reply = propose(
         server, [entry("a", 20, 20, reset=True), entry("b", 9, 9, reset=True)]
@@ -299,6 +316,7 @@ def test_clear_drops_every_request(server):
         "ok": True,
         "protocol": 2,
         "op": "CLEAR",
+        "server_id": server.server_id,
         "active_requests": 0,
     }
 

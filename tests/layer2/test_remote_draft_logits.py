@@ -282,6 +282,7 @@ def _scripted_propose(header: dict[str, Any], corrupt: str) -> list[bytes]:
         entries, data = [], bytearray()
     reply = protocol.ok_reply(
         protocol.OP_PROPOSE,
+        server_id="scripted-1",
         tokens=logits.argmax(-1).tolist(),
         latency_ms=0.1,
         timing_ms=dict.fromkeys(protocol.TIMING_FIELDS, 0.0),

@@ -7,10 +7,13 @@ REQ socket. Every message is multipart:
 
 * frame 0: a UTF-8 JSON object (the *header*). Every header carries
   ``"protocol": 2`` and ``"op"``. A request's op is one of ``REQUEST_OPS``. A
-  reply is ``{"ok": true, "protocol": 2, "op": <op>, ...}`` (op ``"PONG"`` for
-  PING, else the request's op) or ``{"ok": false, "protocol": 2, "op":
-  "ERROR", "error": "<Type>: <message>"}``. A version mismatch is an error on
-  both sides. NaN and infinities are not valid JSON here.
+  reply is ``{"ok": true, "protocol": 2, "op": <op>, "server_id": <id>, ...}``
+  (op ``"PONG"`` for PING, else the request's op) or ``{"ok": false,
+  "protocol": 2, "op": "ERROR", "server_id": <id>, "error": "<Type>:
+  <message>"}``. Every reply names the server process that wrote it (the id
+  changes when the process restarts), so a client sees a restart in the first
+  reply of the new process. A version mismatch is an error on both sides. NaN
+  and infinities are not valid JSON here.
 * frames 1..n: raw little-endian tensor bytes, C order, no padding; their dtype
   and shape follow from the header. A frame's byte length must match exactly.
 
@@ -140,12 +143,13 @@ def ok_reply(op: str, **fields: Any) -> dict[str, Any]:
     return {"ok": True, "protocol": PROTOCOL_VERSION, "op": op, **fields}
 
 
-def error_reply(exc: BaseException) -> dict[str, Any]:
-    """A failure reply header for ``exc``."""
+def error_reply(exc: BaseException, server_id: str) -> dict[str, Any]:
+    """A failure reply header for ``exc`` from the server ``server_id``."""
     return {
         "ok": False,
         "protocol": PROTOCOL_VERSION,
         "op": OP_ERROR,
+        "server_id": server_id,
         "error": format_error(exc),
     }
 
@@ -165,10 +169,6 @@ def encode_header(header: Mapping[str, Any]) -> bytes:
     return text.encode()
 
 
-_PROPOSE_REPLY_HEAD = b'{"ok":true,"protocol":%d,"op":"%s","tokens":' % (
-    PROTOCOL_VERSION,
-    OP_PROPOSE.encode(),
-)
 _PROPOSE_REPLY_TIMINGS = (
     b',"timing_ms":{'
     + b",".join(b'"%s":%%.4f' % name.encode() for name in TIMING_FIELDS)
@@ -176,17 +176,29 @@ _PROPOSE_REPLY_TIMINGS = (
 )
 
 
+def propose_reply_head(server_id: str) -> bytes:
+    """The constant start of the PROPOSE reply headers of the server
+    ``server_id`` (its id JSON-escaped once), for ``encode_propose_reply``."""
+    return b'{"ok":true,"protocol":%d,"op":"%s","server_id":%s,"tokens":' % (
+        PROTOCOL_VERSION,
+        OP_PROPOSE.encode(),
+        _quote(server_id).encode(),
+    )
+
+
 def encode_propose_reply(
+    head: bytes,
     tokens: list[list[int]],
     timing_ms: Mapping[str, float],
     extensions: list[dict[str, Any]] | None = None,
 ) -> bytes:
     """The header of a successful PROPOSE reply, formatted without a JSON
-    encoder (the server's hot path): ``tokens``, ``timing_ms`` (every
-    ``TIMING_FIELDS`` key; finite values, written to 0.1 us), ``latency_ms``
-    (its ``total``) and, when given, the ``extensions`` entries. Decodes to
-    ``ok_reply(OP_PROPOSE, ...)`` of the same fields."""
-    parts = [_PROPOSE_REPLY_HEAD, str(tokens).replace(" ", "").encode()]
+    encoder (the server's hot path): ``head`` (the server's
+    ``propose_reply_head``), ``tokens``, ``timing_ms`` (every ``TIMING_FIELDS``
+    key; finite values, written to 0.1 us), ``latency_ms`` (its ``total``)
+    and, when given, the ``extensions`` entries. Decodes to
+    ``ok_reply(OP_PROPOSE, server_id=<id>, ...)`` of the same fields."""
+    parts = [head, str(tokens).replace(" ", "").encode()]
     if extensions is not None:
         parts.append(b',"extensions":' + _ENCODER.encode(extensions).encode())
     values = [timing_ms[name] for name in TIMING_FIELDS]

@@ -3,9 +3,10 @@
 """Transport-independent core of the draft server.
 
 ``DraftServer.handle`` takes the frames of one request and returns the frames
-of its reply; it never raises. Every request is validated whole before any
-state changes (``validation``); one lock serialises the request table, the
-engine and its staging buffers. If the engine fails after a PROPOSE or
+of its reply, whose header names this process (``server_id``, new at every
+start); it never raises. Every request is validated whole before any state
+changes (``validation``); one lock serialises the request table, the engine
+and its staging buffers. If the engine fails after a PROPOSE or
 RECONNECT has changed state, the requests involved are dropped, so the client
 re-creates them (it treats the error reply as a failed step).
 """
@@ -43,6 +44,7 @@ from vllm.k3_draft.protocol import (
     encode_propose_reply,
     error_reply,
     ok_reply,
+    propose_reply_head,
 )
 from vllm.k3_draft.validation import (
     ParsedPropose,
@@ -105,6 +107,8 @@ class DraftServer:
         self.allocator = SlotAllocator(self.limits.max_requests)
         self.stats = ServerStats()
         self.server_id = uuid.uuid4().hex
+        # Every reply names this process (a client sees a restart in it).
+        self._propose_head = propose_reply_head(self.server_id)
         self.started = time.time()
         self.cuda_graph_shapes = [list(shape) for shape in cuda_graph_shapes]
         # A rewind reads K/V written before it: the ring holds the last
@@ -211,7 +215,7 @@ class DraftServer:
                     self._count(self.stats.errors_by_op, op)
             if not isinstance(exc, ProtocolError):
                 logger.exception("%s failed", op)
-            return [encode_header(error_reply(exc))]
+            return [encode_header(error_reply(exc, self.server_id))]
 
     @staticmethod
     def _count(table: dict[str, int], op: str) -> None:
@@ -229,7 +233,7 @@ class DraftServer:
         timing["total"] = total
         self.stats.observe_propose(total, timing)
         reply[0] = encode_propose_reply(
-            fields["tokens"], timing, fields.get("extensions")
+            self._propose_head, fields["tokens"], timing, fields.get("extensions")
         )
 
     # ----------------------------------------------------------------- ops
@@ -342,7 +346,10 @@ class DraftServer:
         return self._active_reply(OP_CLEAR)
 
     def _active_reply(self, op: str) -> list[Any]:
-        return [encode_header(ok_reply(op, active_requests=len(self.requests)))]
+        reply = ok_reply(
+            op, server_id=self.server_id, active_requests=len(self.requests)
+        )
+        return [encode_header(reply)]
 
     def _reconnect(self, header: dict[str, Any], frames: list[Any]) -> list[Any]:
         start = time.perf_counter()
@@ -381,6 +388,7 @@ class DraftServer:
         self.stats.reconnects += 1
         reply = ok_reply(
             OP_RECONNECT,
+            server_id=self.server_id,
             restored_start=plan.restored_start,
             prefix_end=plan.prefix_end,
             latency_ms=(time.perf_counter() - start) * 1e3,
