@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
+from vllm.k3_draft import protocol
 from vllm.k3_draft.client import (
     CurveKeys,
     DraftClient,
@@ -87,6 +88,52 @@ def test_own_requests_survive_a_repeated_handshake(client, scripted_server):
     scripted_server.pong["active_requests"] = 3
     client.handshake(NEEDS, known_server_id="scripted-1")
     assert scripted_server.ops() == ["PING"]
+
+
+def _free_reply_from(server_id: str | None, ok: bool):
+    """A FREE handler whose reply names ``server_id`` (None: no id)."""
+
+    def handler(header, frames):
+        if ok:
+            reply = protocol.ok_reply("FREE", active_requests=0)
+        else:
+            reply = protocol.error_reply(ValueError("unknown"), "unused")
+        reply.pop("server_id", None)
+        if server_id is not None:
+            reply["server_id"] = server_id
+        return [protocol.encode_header(reply)]
+
+    return handler
+
+
+@pytest.mark.parametrize("ok", [True, False], ids=["success", "error"])
+@pytest.mark.parametrize("server_id", [None, "scripted-2"], ids=["none", "another"])
+def test_reply_not_naming_the_accepted_server_is_a_protocol_error(
+    client, scripted_server, server_id, ok
+):
+    client.handshake(NEEDS)
+    scripted_server.handlers["FREE"] = _free_reply_from(server_id, ok)
+    with pytest.raises(ProtocolError, match="not 'scripted-1'"):
+        client.call("FREE", request_ids=["a"])
+
+
+def test_only_a_new_handshake_accepts_a_restarted_server(client, scripted_server):
+    client.handshake(NEEDS)
+    scripted_server.pong["server_id"] = "scripted-2"
+    for _ in range(2):
+        with pytest.raises(ProtocolError, match="restarted"):
+            client.call("FREE", request_ids=["a"])
+    client.handshake(NEEDS, known_server_id="scripted-1")
+    assert client.call("FREE", request_ids=["a"])[0]["server_id"] == "scripted-2"
+
+
+def test_an_incompatible_server_is_not_accepted_by_its_pong(client, scripted_server):
+    client.handshake(NEEDS)
+    scripted_server.pong.update(server_id="scripted-2", vocab_size=512)
+    with pytest.raises(IncompatibleServerError):
+        client.handshake(NEEDS, known_server_id="scripted-1")
+    with pytest.raises(ProtocolError, match="restarted"):
+        client.call("FREE", request_ids=["a"])
 
 
 def test_socket_is_renewed_after_a_timeout(client, scripted_server):

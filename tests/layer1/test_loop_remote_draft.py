@@ -13,6 +13,7 @@ the output equals target-only decoding.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from toy_target import ToyTarget, VerifierLoop
@@ -227,3 +228,78 @@ def test_server_restart_fails_closed_then_recovers(
     finished = _run_to_completion(loop)
     for rid, prompt in prompts.items():
         assert finished[rid] == target.generate(prompt, 60)
+
+
+def _step_until_drafted(loop: VerifierLoop, rid: str, max_steps: int = 200) -> None:
+    """Step ``rid`` until a step drafts for it (a retry's PONG may come a
+    step late)."""
+    drafted = loop.stats.drafted
+    for _ in range(max_steps):
+        loop.step([rid])
+        if loop.stats.drafted > drafted:
+            return
+        time.sleep(0.05)
+    raise AssertionError("drafting never resumed")
+
+
+def test_a_restarted_server_is_handshaken_before_its_drafts_are_used(
+    draft_server_factory, make_speculator, oracle
+):
+    """A server restarted while the verifier is idle (same address: ZeroMQ
+    reconnects by itself) answers the next PROPOSE under a new server_id: that
+    step has no drafts, and drafting resumes only after a PING and the CLEAR of
+    what the refused PROPOSE left there."""
+    server = draft_server_factory()
+    speculator, table = make_speculator(server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    loop.add("a", _prompt(50, 20), max_tokens=12)
+    _run_to_completion(loop)
+    old_id = _server_id(speculator)
+    server.restart()
+    loop.add("b", _prompt(51, 20), max_tokens=60)
+    drafted = loop.stats.drafted
+    loop.step(["b"])
+    assert loop.stats.drafted == drafted
+    assert _status(server)["requests_by_op"] == {"PROPOSE": 1}
+    _step_until_drafted(loop, "b")
+    ops = _status(server)["requests_by_op"]
+    assert ops["PING"] >= 1 and ops["CLEAR"] == 1
+    assert _server_id(speculator) not in (None, old_id)
+    assert _run_to_completion(loop)["b"] == target.generate(_prompt(51, 20), 60)
+
+
+def test_a_restarted_incompatible_server_is_refused_until_a_compatible_one_is_back(
+    draft_server_factory, make_speculator, oracle, caplog
+):
+    """A server restarted with bounds this engine cannot use is refused by the
+    handshake that its first reply forces, and never drafts; a compatible
+    server back at the address is handshaken, then drafts."""
+    server = draft_server_factory()
+    speculator, table = make_speculator(server.address)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    loop.add("a", _prompt(60, 20), max_tokens=12)
+    _run_to_completion(loop)
+    compatible = dict(server.options)
+    server.stop()
+    server.options.update(method="dspark", max_model_len=2048)
+    server.start()
+    loop.add("b", _prompt(61, 20), max_tokens=80)
+    drafted = loop.stats.drafted
+    with caplog.at_level(logging.ERROR, logger="vllm.k3_draft.plan"):
+        for _ in range(200):
+            loop.step(["b"])
+            if "cannot serve this engine" in caplog.text:
+                break
+            time.sleep(0.05)
+    assert "method 'dspark', this engine drafts with 'dflash'" in caplog.text
+    assert "max_model_len 2048, this engine has 4096" in caplog.text
+    assert loop.stats.drafted == drafted
+    assert _status(server)["requests_by_op"].get("PROPOSE", 0) <= 1
+    server.stop()
+    server.options = compatible
+    server.start()
+    _step_until_drafted(loop, "b")
+    assert _status(server)["requests_by_op"]["PING"] >= 1
+    assert _run_to_completion(loop)["b"] == target.generate(_prompt(61, 20), 80)

@@ -349,6 +349,23 @@ def test_server_restart_forgets_retained_requests(plan, scripted_server):
     assert scripted_server.log[1][1]["requests"][0]["reset"]
 
 
+def test_a_free_answered_by_a_restarted_server_ends_the_step(plan, scripted_server):
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a"]))
+    del scripted_server.handlers["PROPOSE"]
+    scripted_server.handlers["FREE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["b"]))  # a stays stale: every step FREEs it first
+    del scripted_server.handlers["FREE"]
+    scripted_server.pong["server_id"] = "scripted-2"
+    scripted_server.log.clear()
+    result = plan.run(_step(["c"]))
+    assert (result.tokens == NO_DRAFT).all()
+    assert scripted_server.ops() == ["FREE"]
+    result = plan.run(_step(["c"]))
+    assert (result.tokens == 5).all()
+    assert scripted_server.ops()[1:] == ["PING", "PROPOSE"]
+
+
 class _ConsumeBugOnce(ProposeExtension):
     """A propose extension whose first ``consume`` fails with a bug (an
     exception other than ``ProtocolError``)."""

@@ -7,6 +7,12 @@ RPC timeout). A REQ socket that missed a reply is wedged, so after any send or
 receive failure the client closes it, connects a fresh one and raises
 ``TransportError``. ``check_server`` is the handshake's compatibility check of
 a PONG against this engine (``ServerRequirements``).
+
+Every reply names the server process that wrote it (``server_id``). Once a
+handshake accepted a server, a reply from any other (a restarted process at
+the same address: ZeroMQ reconnects by itself) or without an id raises
+``ServerChangedError`` until a new handshake accepts the one that answers:
+no reply of a server this engine has not checked is used.
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ class TransportError(RuntimeError):
 
 class IncompatibleServerError(RuntimeError):
     """The draft server cannot serve this engine (handshake refusal)."""
+
+
+class ServerChangedError(ProtocolError):
+    """A reply is not from the server the last handshake accepted (another
+    ``server_id``, or none): it restarted; only a new handshake may accept
+    the one that answers now."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +198,8 @@ class DraftClient:
         self.address = address
         self.timeout_ms = timeout_ms
         self.curve = curve
+        # The server_id the last accepted handshake saw (None: none yet).
+        self.server_id: str | None = None
         self._context = zmq.Context()
         try:
             self._socket = self._connect()
@@ -240,15 +254,31 @@ class DraftClient:
             reply = self._socket.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
             raise self._failed(op, exc) from exc
-        header = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
-        return check_reply(header, op), reply[1:]
+        decoded = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
+        self._check_server_id(decoded, op)
+        return check_reply(decoded, op), reply[1:]
+
+    def _check_server_id(self, header: Mapping[str, Any], op: str) -> None:
+        """Refuse a reply (error replies too) that does not name the server
+        the handshake accepted, or none without a handshake."""
+        theirs = header.get("server_id")
+        if theirs == self.server_id and self.server_id is not None:
+            return
+        if self.server_id is not None:
+            raise ServerChangedError(
+                f"{op} reply from draft server {theirs!r}, not {self.server_id!r} "
+                "that the handshake accepted: it restarted"
+            )
+        if not isinstance(theirs, str) or not theirs:
+            raise ProtocolError(f"{op} reply has no server_id")
 
     def handshake(
         self, needs: ServerRequirements, known_server_id: str | None = None
     ) -> ServerInfo:
         """PING and check the server against ``needs``, waiting up to the RPC
-        timeout. A server other than ``known_server_id`` that holds requests
-        holds them for an earlier verifier: CLEAR them (fresh epoch)."""
+        timeout; the replies that follow must come from that server. A server
+        other than ``known_server_id`` that holds requests holds them for an
+        earlier verifier: CLEAR them (fresh epoch)."""
         self.start_handshake()
         info = self.finish_handshake(needs, known_server_id, self.timeout_ms)
         if info is None:
@@ -284,6 +314,7 @@ class DraftClient:
         if len(reply) > 1:
             raise ProtocolError(f"PONG carries {len(reply) - 1} unexpected frames")
         info = check_server(pong, needs)
+        self.server_id = info.server_id
         if info.active_requests and info.server_id != known_server_id:
             logger.info(
                 "Draft server %s holds %d requests of an earlier verifier; "

@@ -5,9 +5,12 @@
 ``RemotePlan`` mirrors what the draft server retains for this verifier and
 turns one verifier step (``StepInputs``) into RPCs, in this order:
 
-1. handshake when none holds (first step, or after a transport failure; a
-   changed ``server_id`` means the server restarted and everything retained is
-   forgotten);
+1. handshake when none holds (first step, or after a failure). Every reply
+   names its server: one from another ``server_id`` than the handshake
+   accepted (the server restarted; ZeroMQ reconnected by itself) fails the
+   step closed, and the handshake of the next step checks the new server
+   against this engine like the first one, CLEARs what it holds and forgets
+   everything retained;
 2. one FREE of the stale requests and of the least recently used requests not
    in the batch that must make room (FREE of an unknown id is a no-op); a
    reply counting more requests on the server than the plan retains means a
@@ -49,6 +52,7 @@ import torch
 from vllm.k3_draft.client import (
     DraftClient,
     IncompatibleServerError,
+    ServerChangedError,
     ServerInfo,
     ServerRequirements,
     TransportError,
@@ -430,8 +434,9 @@ class RemotePlan:
         except TransportError as exc:
             self._go_offline(exc)
         except (ProtocolError, RemoteError) as exc:
-            # A malformed RECONNECT reply or a refused CLEAR (their requests
-            # are already stale): fail closed as a failed PROPOSE does.
+            # A malformed RECONNECT reply, a refused CLEAR or a reply from a
+            # restarted server (their requests are already stale): fail
+            # closed as a failed PROPOSE does.
             self._reply_failed("RPC", exc)
         self._previous_batch = batch
         return result
@@ -514,7 +519,7 @@ class RemotePlan:
         except (TransportError, ProtocolError, RemoteError) as exc:
             for rid in ids:
                 self.retained[rid].stale = True
-            if isinstance(exc, TransportError):
+            if isinstance(exc, (TransportError, ServerChangedError)):
                 raise
             logger.warning("Draft FREE failed (%s); retrying next step", exc)
             return
