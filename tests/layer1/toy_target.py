@@ -74,8 +74,11 @@ def make_vllm_config(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 512,
     data_parallel_size: int = 1,
+    enable_dbo: bool = False,
 ) -> Any:
-    """A real VllmConfig of a tiny target + draft (configs written to root)."""
+    """A real VllmConfig of a tiny target + draft (configs written to root);
+    ``enable_dbo`` turns dual batch overlap on (with an all2all backend that
+    supports it)."""
     from vllm.config import (
         DeviceConfig,
         ModelConfig,
@@ -133,7 +136,15 @@ def make_vllm_config(
             is_encoder_decoder=False,
         ),
         device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(data_parallel_size=data_parallel_size),
+        parallel_config=(
+            ParallelConfig(
+                data_parallel_size=data_parallel_size,
+                enable_dbo=True,
+                all2all_backend="deepep_low_latency",
+            )
+            if enable_dbo
+            else ParallelConfig(data_parallel_size=data_parallel_size)
+        ),
     )
 
 

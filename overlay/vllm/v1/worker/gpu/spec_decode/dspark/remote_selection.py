@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Model runner selection for remote drafting.
+
+Only Model Runner V2 drafts remotely (``init_speculator`` picks
+``RemoteK3DSparkSpeculator``); the V1 runner would load the draft locally and
+ignore the address. ``VllmConfig.use_v2_model_runner`` therefore asks
+``remote_draft_selects_v2`` before it considers the V1 fallback.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm import envs
+from vllm.v1.worker.gpu.spec_decode import remote_draft_address
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def remote_draft_selects_v2(vllm_config: VllmConfig, v2_can_run: bool) -> bool:
+    """Whether drafting is remote (``remote_draft_address``), so that Model
+    Runner V2 must run this config.
+
+    ``v2_can_run`` is False where V2 lacks what it runs on (Triton). A remote
+    config V2 cannot run raises a one-line ValueError: V2 switched off with
+    ``VLLM_USE_V2_MODEL_RUNNER=0``, or, unless V2 is forced on, ``v2_can_run``
+    False or a feature V2 does not support yet (upstream's list).
+    """
+    speculative_config = getattr(vllm_config, "speculative_config", None)
+    if speculative_config is None:
+        return False
+    address = remote_draft_address(speculative_config)
+    if address is None:
+        return False
+    name = (
+        "VLLM_K3_DRAFT_REMOTE_ADDRESS"
+        if envs.VLLM_K3_DRAFT_REMOTE_ADDRESS
+        else "VLLM_K3_DSPARK_REMOTE_ADDRESS"
+    )
+    remote = f"Remote drafting ({name}={address}) requires Model Runner V2"
+    forced = envs.VLLM_USE_V2_MODEL_RUNNER
+    if forced is False:
+        raise ValueError(
+            f"{remote}; remove VLLM_USE_V2_MODEL_RUNNER=0 or unset {name}."
+        )
+    if forced is None:
+        if not v2_can_run:
+            raise ValueError(
+                f"{remote}, which requires Triton; install it or unset {name}."
+            )
+        unsupported = vllm_config._get_v2_model_runner_unsupported_features()
+        if unsupported:
+            raise ValueError(
+                f"{remote}, which does not yet support {', '.join(unsupported)}; "
+                f"turn that off or unset {name}."
+            )
+    return True

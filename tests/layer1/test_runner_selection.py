@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""With a remote draft address, ``VllmConfig`` picks Model Runner V2 (the only
+runner that drafts remotely) or refuses the configuration in one line when V2
+cannot run it; without an address, upstream's V1 fallback is unchanged.
+
+The V1 runner would build a local DFlash proposer and load the draft onto the
+target's GPUs, ignoring the address."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from toy_target import make_vllm_config
+
+import vllm.config.vllm as vllm_config_module
+from vllm.platforms.interface import Platform, PlatformEnum
+
+ADDRESS = "tcp://127.0.0.1:5599"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "VLLM_K3_DRAFT_REMOTE_ADDRESS",
+        "VLLM_K3_DSPARK_REMOTE_ADDRESS",
+        "VLLM_USE_V2_MODEL_RUNNER",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def refusal(tmp_path: Path, **kwargs: Any) -> str:
+    """The message of the ValueError that building the config raises (pydantic
+    reports it as the single error of a ValidationError)."""
+    with pytest.raises(ValidationError) as info:
+        make_vllm_config(tmp_path, **kwargs)
+    (error,) = info.value.errors()
+    return str(error["ctx"]["error"])
+
+
+def without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA platform without Triton, as the config module sees it."""
+    platform = Platform()
+    platform._enum = PlatformEnum.CUDA
+    monkeypatch.setattr(vllm_config_module, "current_platform", platform)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", False)
+
+
+def test_v2_switched_off_with_a_remote_address_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ADDRESS)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    message = refusal(tmp_path)
+    assert "\n" not in message
+    assert f"VLLM_K3_DRAFT_REMOTE_ADDRESS={ADDRESS}" in message
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in message
+
+
+def test_v2_switched_off_with_the_legacy_dspark_address_is_refused(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_ADDRESS", ADDRESS)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    message = refusal(tmp_path, method="dspark")
+    assert f"VLLM_K3_DSPARK_REMOTE_ADDRESS={ADDRESS}" in message
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in message
+
+
+def test_dual_batch_overlap_with_a_remote_address_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ADDRESS)
+    message = refusal(tmp_path, enable_dbo=True)
+    assert "\n" not in message
+    assert "dual batch overlap" in message
+
+
+def test_missing_triton_with_a_remote_address_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ADDRESS)
+    without_triton(monkeypatch)
+    message = refusal(tmp_path)
+    assert "\n" not in message
+    assert "Triton" in message
+
+
+def test_remote_address_with_defaults_selects_model_runner_v2(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ADDRESS)
+    assert make_vllm_config(tmp_path).use_v2_model_runner
+
+
+def test_without_a_remote_address_the_v1_fallback_is_upstreams(monkeypatch, tmp_path):
+    assert not make_vllm_config(tmp_path / "dbo", enable_dbo=True).use_v2_model_runner
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert not make_vllm_config(tmp_path / "off").use_v2_model_runner
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    without_triton(monkeypatch)
+    assert not make_vllm_config(tmp_path / "triton").use_v2_model_runner
+
+
+def test_the_legacy_dspark_address_leaves_dflash_on_upstreams_fallback(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_ADDRESS", ADDRESS)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert not make_vllm_config(tmp_path).use_v2_model_runner
