@@ -14,7 +14,13 @@ from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 from k3stack import StackError
 from k3stack.gitutil import git
 from k3stack.pin import Artifact, Pin
-from k3stack.rebase import classify, rebase_command, retagged_image, select_wheels
+from k3stack.rebase import (
+    LayerResult,
+    classify,
+    rebase_command,
+    retagged_image,
+    select_wheels,
+)
 from k3stack.upstream import extract_sdist
 
 
@@ -204,16 +210,24 @@ def envs_with(**settings: int) -> str:
     return text
 
 
+def classify_envs(
+    filled: Synthetic, tmp_path: Path, layer_2: dict[str, int], upstream: dict[str, int]
+) -> list[LayerResult]:
+    """``classify`` after layer 2 sets ``layer_2`` in envs.py (layer 1 sets
+    ``SETTING_5``), against an upstream that sets ``upstream`` there."""
+    refill(filled, 2, {"vllm/envs.py": envs_with(**layer_2)})
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(**upstream)})
+    return classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+
+
 def test_a_later_layer_s_conflict_with_a_skipped_layer_is_not_blamed_on_upstream(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     # Layer 2 edits the line after layer 1's; upstream conflicts with layer 1
     # only. Without layer 1, layer 2's merge conflicts too: layer 1's doing.
-    refill(filled, 2, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_6=66)})
-    filled.apply()
-    files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(SETTING_5=6)})
-    results = classify(
-        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    results = classify_envs(
+        filled, tmp_path, dict(SETTING_5=55, SETTING_6=66), dict(SETTING_5=6)
     )
     assert [r.status for r in results] == ["conflict", "conflict", "clean"]
     assert results[1].tried_without == [1]
@@ -226,12 +240,11 @@ def test_a_later_layer_s_conflict_with_a_skipped_layer_is_not_blamed_on_upstream
 def test_a_later_layer_s_own_conflict_with_upstream_is_upstream_s(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    refill(filled, 2, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_30=3000)})
-    filled.apply()
-    files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = envs_with(SETTING_5=6, SETTING_30=31)
-    results = classify(
-        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    results = classify_envs(
+        filled,
+        tmp_path,
+        dict(SETTING_5=55, SETTING_30=3000),
+        dict(SETTING_5=6, SETTING_30=31),
     )
     assert [r.status for r in results] == ["conflict", "conflict", "clean"]
     assert results[1].tried_without == [1]
@@ -243,11 +256,8 @@ def test_a_later_layer_s_own_conflict_with_upstream_is_upstream_s(
 def test_a_layer_that_lands_after_a_skipped_one_says_what_it_was_tried_without(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    refill(filled, 2, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_30=3000)})
-    filled.apply()
-    files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(SETTING_5=6)})
-    results = classify(
-        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    results = classify_envs(
+        filled, tmp_path, dict(SETTING_5=55, SETTING_30=3000), dict(SETTING_5=6)
     )
     assert [r.status for r in results] == ["conflict", "clean", "clean"]
     assert results[1].tried_without == [1]
