@@ -25,11 +25,18 @@ import threading
 from typing import Any
 
 import k3_l2_reference
-import numpy as np
 import pytest
 import torch
 from k3_l3_runner import sample_tokens, scheduler_output
-from toy_target import HIDDEN, NUM_AUX, make_input_batch
+from k3_l3_steps import (
+    SLOTS,
+    K,
+    last_sampled,
+    propose,
+    seeds,
+    step_batch,
+    temperatures,
+)
 
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import (
@@ -46,10 +53,6 @@ from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
 )
 
 pytest_plugins = ("conftest_client",)
-
-K = 3
-SLOTS = [3, 5]
-TEMPERATURES = (0.7, 1.3)
 
 
 @pytest.fixture(autouse=True)
@@ -85,62 +88,18 @@ class _Outstanding(stream_gate.ReplyGate):
         return False
 
 
-def _batch(req_ids: list[str], start: int) -> Any:
-    n, per = len(req_ids), K + 1
-    positions = torch.cat(
-        [torch.arange(start + 10 * i, start + 10 * i + per) for i in range(n)]
-    )
-    return make_input_batch(
-        req_ids,
-        np.array(SLOTS),
-        np.arange(n + 1, dtype=np.int32) * per,
-        positions,
-        n * per,
-    )
-
-
-def _temperature() -> torch.Tensor:
-    temperature = torch.zeros(8)
-    temperature[SLOTS] = torch.tensor(TEMPERATURES)
-    return temperature
-
-
-def _seeds() -> torch.Tensor:
-    return torch.arange(8, dtype=torch.int64) * 7919 + 13
-
-
-def _last_sampled(step: int) -> torch.Tensor:
-    return torch.arange(8, dtype=torch.int64).reshape(8, 1) + 40 + step
-
-
 def _propose(speculator: Any, batch: Any, step: int) -> torch.Tensor:
-    n, rows = batch.num_reqs, batch.num_tokens
-    gen = torch.Generator().manual_seed(step)
-    aux = [torch.randn(rows, HIDDEN, generator=gen) for _ in range(NUM_AUX)]
-    return speculator.propose(
-        batch,
-        {},
-        {},
-        aux[0],
-        aux,
-        torch.ones(n, dtype=torch.int32),
-        torch.zeros(n, dtype=torch.int32),
-        _last_sampled(step),
-        torch.zeros(1, 8, dtype=torch.int32),
-        _temperature(),
-        _seeds(),
-        num_speculative_tokens=K,
-    )
+    return propose(speculator, batch, step, temperatures())
 
 
 def _runner(make_runner: Any, speculator: Any) -> Any:
     """A runner of ``speculator`` with the sampling state ``_propose`` uses."""
-    return make_runner(speculator, [], K, _temperature(), _seeds())
+    return make_runner(speculator, [], K, temperatures(), seeds())
 
 
 def _sample_tokens(runner: Any, batch: Any, step: int) -> None:
     """The runner's real ``sample_tokens``: the step ``_propose`` makes."""
-    runner.req_states.last_sampled_tokens = _last_sampled(step)
+    runner.req_states.last_sampled_tokens = last_sampled(step)
     sample_tokens(runner, batch, K, seed=step)
 
 
@@ -204,7 +163,7 @@ def test_layer_2_extension_is_deferral_safe_others_are_not(
     strategy = install_deferred_resolution(speculator)
     assert strategy is not None and not strategy.deferrable
     strategy.warmed = True
-    batch = _batch(["a", "b"], 10)
+    batch = step_batch(["a", "b"], 10)
     strategy.select_step(_Runner(), batch)
     assert not strategy._defer_next
 
@@ -242,8 +201,8 @@ def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
             if step == failing_step:
                 _fail_consume(ext_i, failing)
                 _fail_consume(ext_d, failing)
-            want = _propose(immediate, _batch(["i0", "i1"], start), step).clone()
-            _sample_tokens(runner, _batch(["d0", "d1"], start), step)
+            want = _propose(immediate, step_batch(["i0", "i1"], start), step).clone()
+            _sample_tokens(runner, step_batch(["d0", "d1"], start), step)
             assert strategy.pending
             runner.execute_model(scheduler_output(set(), []))
         if step == failing_step:
@@ -275,7 +234,7 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
     runner = _runner(make_runner, speculator)
     extension = _extension(speculator)
     published = _record_publish(extension, monkeypatch)
-    _sample_tokens(runner, _batch(["a", "b"], 10), 0)
+    _sample_tokens(runner, step_batch(["a", "b"], 10), 0)
     runner.execute_model(scheduler_output(set(), []))
     cache = extension.draft_logits.clone()
     assert not (cache[SLOTS] == FILL).all()
@@ -289,7 +248,7 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
         monkeypatch.setattr(speculator, "exchange", broken)
     else:
         _fail_consume(extension, monkeypatch)
-    _sample_tokens(runner, _batch(["a", "b"], 14), 1)
+    _sample_tokens(runner, step_batch(["a", "b"], 14), 1)
     assert strategy.pending
     worker = threading.Thread(
         target=runner.execute_model,

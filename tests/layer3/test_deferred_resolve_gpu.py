@@ -17,15 +17,21 @@ immediate verifier's after every step.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from k3_l3_runner import sample_tokens, scheduler_output
-from toy_target import HIDDEN, NUM_AUX, make_input_batch
+from k3_l3_steps import (
+    SLOTS,
+    K,
+    last_sampled,
+    propose,
+    seeds,
+    step_batch,
+    temperatures,
+)
 
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import DeferredResolution, install_deferred_resolution
@@ -36,73 +42,7 @@ pytestmark = [
 ]
 pytest_plugins = ("conftest_client",)
 
-K = 3
-SLOTS = [3, 5]
 HOLD_S = 0.05
-CUDA = torch.device("cuda")
-
-
-def _on_cuda(batch: Any) -> Any:
-    """The batch with its device tensors on the GPU (host copies stay)."""
-    moved = {
-        f.name: getattr(batch, f.name).to(CUDA)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-        and "cpu" not in f.name
-        and not f.name.endswith("_upper_bound")
-    }
-    return dataclasses.replace(batch, **moved)
-
-
-def _batch(req_ids: list[str], start: int) -> Any:
-    n, per = len(req_ids), K + 1
-    positions = torch.cat(
-        [torch.arange(start + 10 * i, start + 10 * i + per) for i in range(n)]
-    )
-    return _on_cuda(
-        make_input_batch(
-            req_ids,
-            np.array(SLOTS),
-            np.arange(n + 1, dtype=np.int32) * per,
-            positions,
-            n * per,
-        )
-    )
-
-
-def _temperature(method: str) -> torch.Tensor:
-    temperature = torch.zeros(8, device=CUDA)
-    if method != "greedy":
-        temperature[SLOTS] = torch.tensor([0.7, 1.3], device=CUDA)
-    return temperature
-
-
-def _seeds() -> torch.Tensor:
-    return torch.arange(8, dtype=torch.int64, device=CUDA) * 7919 + 13
-
-
-def _last_sampled(step: int) -> torch.Tensor:
-    return torch.arange(8, dtype=torch.int64, device=CUDA).reshape(8, 1) + 40 + step
-
-
-def _propose(speculator: Any, batch: Any, step: int, method: str) -> torch.Tensor:
-    n, rows = batch.num_reqs, batch.num_tokens
-    gen = torch.Generator().manual_seed(step)
-    aux = [torch.randn(rows, HIDDEN, generator=gen).to(CUDA) for _ in range(NUM_AUX)]
-    return speculator.propose(
-        batch,
-        {},
-        {},
-        aux[0],
-        aux,
-        torch.ones(n, dtype=torch.int32, device=CUDA),
-        torch.zeros(n, dtype=torch.int32, device=CUDA),
-        _last_sampled(step),
-        torch.zeros(1, 8, dtype=torch.int32, device=CUDA),
-        _temperature(method),
-        _seeds(),
-        num_speculative_tokens=K,
-    )
 
 
 def _config(vllm_config_factory: Any, method: str) -> Any:
@@ -148,15 +88,18 @@ def test_deferred_and_immediate_give_identical_draft_state_on_cuda(
     )
     strategy = install_deferred_resolution(deferred)
     assert isinstance(strategy, DeferredResolution) and strategy.deferrable
-    runner = make_runner(deferred, [], K, _temperature(method), _seeds())
+    temperature = temperatures("cuda", greedy=method == "greedy")
+    runner = make_runner(deferred, [], K, temperature, seeds("cuda"))
     for step in range(5):
         start = 10 + (K + 1) * step
         # Step 0 is the warm-up: synchronous, it loads every kernel that later
         # runs behind a parked stream (as the worker's warm-up does).
         strategy.warmed = step > 0
-        want = _propose(immediate, _batch(["i0", "i1"], start), step, method)
-        runner.req_states.last_sampled_tokens = _last_sampled(step)
-        sample_tokens(runner, _batch(["d0", "d1"], start), K, seed=step)
+        want = propose(
+            immediate, step_batch(["i0", "i1"], start, "cuda"), step, temperature
+        )
+        runner.req_states.last_sampled_tokens = last_sampled(step, "cuda")
+        sample_tokens(runner, step_batch(["d0", "d1"], start, "cuda"), K, seed=step)
         assert strategy.pending == (step > 0)
         runner.execute_model(scheduler_output(set(), []))
         assert (want >= 0).all(), "the reference server drafted nothing"
