@@ -211,11 +211,16 @@ def envs_with(**settings: int) -> str:
 
 
 def classify_envs(
-    filled: Synthetic, tmp_path: Path, layer_2: dict[str, int], upstream: dict[str, int]
+    filled: Synthetic,
+    tmp_path: Path,
+    layers: dict[int, dict[str, int]],
+    upstream: dict[str, int],
 ) -> list[LayerResult]:
-    """``classify`` after layer 2 sets ``layer_2`` in envs.py (layer 1 sets
-    ``SETTING_5``), against an upstream that sets ``upstream`` there."""
-    refill(filled, 2, {"vllm/envs.py": envs_with(**layer_2)})
+    """``classify`` after each layer ``n`` of ``layers`` sets ``layers[n]`` in
+    envs.py (layer 1 sets ``SETTING_5`` unless given), against an upstream
+    that sets ``upstream`` there."""
+    for n, settings in sorted(layers.items()):
+        refill(filled, n, {"vllm/envs.py": envs_with(**settings)})
     filled.apply()
     files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(**upstream)})
     return classify(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
@@ -227,7 +232,7 @@ def test_a_later_layer_s_conflict_with_a_skipped_layer_is_not_blamed_on_upstream
     # Layer 2 edits the line after layer 1's; upstream conflicts with layer 1
     # only. Without layer 1, layer 2's merge conflicts too: layer 1's doing.
     results = classify_envs(
-        filled, tmp_path, dict(SETTING_5=55, SETTING_6=66), dict(SETTING_5=6)
+        filled, tmp_path, {2: dict(SETTING_5=55, SETTING_6=66)}, dict(SETTING_5=6)
     )
     assert [r.status for r in results] == ["conflict", "conflict", "clean"]
     assert results[1].tried_without == [1]
@@ -243,7 +248,7 @@ def test_a_later_layer_s_own_conflict_with_upstream_is_upstream_s(
     results = classify_envs(
         filled,
         tmp_path,
-        dict(SETTING_5=55, SETTING_30=3000),
+        {2: dict(SETTING_5=55, SETTING_30=3000)},
         dict(SETTING_5=6, SETTING_30=31),
     )
     assert [r.status for r in results] == ["conflict", "conflict", "clean"]
@@ -257,13 +262,54 @@ def test_a_layer_that_lands_after_a_skipped_one_says_what_it_was_tried_without(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     results = classify_envs(
-        filled, tmp_path, dict(SETTING_5=55, SETTING_30=3000), dict(SETTING_5=6)
+        filled, tmp_path, {2: dict(SETTING_5=55, SETTING_30=3000)}, dict(SETTING_5=6)
     )
     assert [r.status for r in results] == ["conflict", "clean", "clean"]
     assert results[1].tried_without == [1]
     assert "tried without layer 1" in results[1].note
     assert results[2].tried_without == []
     assert results[2].note == ""
+
+
+def test_a_conflict_undoing_a_skipped_layer_is_blamed_on_that_layer(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    # Upstream has layer 1's SETTING_5 but not its SETTING_30: layer 1 is
+    # skipped. Layer 2 edits the line after SETTING_5 and lands. On the old
+    # stack, undoing layer 1 under layer 2 already conflicts: layer 3's
+    # conflict cannot be told from layer 1 missing, and is blamed on it.
+    results = classify_envs(
+        filled,
+        tmp_path,
+        {
+            1: dict(SETTING_5=55, SETTING_30=3000),
+            2: dict(SETTING_5=55, SETTING_6=66, SETTING_30=3000),
+            3: dict(SETTING_5=55, SETTING_6=66, SETTING_30=30000),
+        },
+        dict(SETTING_5=55, SETTING_30=31),
+    )
+    assert [r.status for r in results] == ["conflict", "clean", "conflict"]
+    assert results[2].tried_without == [1]
+    assert results[2].skipped_conflicts == ["vllm/envs.py"]
+
+
+def test_skipped_layers_are_undone_latest_first(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    # Layers 1 and 2 change SETTING_5 in turn and both conflict with
+    # upstream's. Undone latest first, the old stack is upstream's, where
+    # layer 3's SETTING_30 merges: its conflict there is upstream's. (Undoing
+    # layer 1 first, under layer 2's line, would conflict.)
+    results = classify_envs(
+        filled,
+        tmp_path,
+        {2: dict(SETTING_5=555), 3: dict(SETTING_5=555, SETTING_30=3000)},
+        dict(SETTING_5=6, SETTING_30=31),
+    )
+    assert [r.status for r in results] == ["conflict", "conflict", "conflict"]
+    assert results[2].tried_without == [1, 2]
+    assert results[2].skipped_conflicts == []
+    assert "the conflicts in vllm/envs.py are upstream's" in results[2].note
 
 
 def test_a_checkout_without_commits_is_refused_in_one_line_before_any_work(
