@@ -11,6 +11,7 @@ and renews the socket after a timeout. ``propose_message`` builds a PROPOSE.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -46,6 +47,9 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "prefix_cache_tokens": 128,
 }
 _START_TIMEOUT_S = 180.0
+_PORT_ATTEMPTS = 3
+# The server's refusal when its status port is taken (standalone entrypoint).
+_STATUS_PORT_TAKEN = "cannot serve status on"
 
 
 def free_tcp_port() -> int:
@@ -107,15 +111,25 @@ class DraftServerProcess:
         return self.proc
 
     def start(self) -> DraftServerProcess:
-        """Start and wait until ``/readyz`` answers 200."""
-        self.proc = self.launch()
+        """Start and wait until ``/readyz`` answers 200. A status port that
+        another process took between ``free_tcp_port`` and the bind is
+        replaced by a fresh one (twice at most)."""
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"draft server exited:\n{self.log_tail()}")
-            if self.http("/readyz")[0] == 200:
-                return self
-            time.sleep(0.1)
+        for attempt in range(_PORT_ATTEMPTS):
+            self.proc = self.launch()
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    if attempt + 1 < _PORT_ATTEMPTS and _STATUS_PORT_TAKEN in (
+                        self.log_tail()
+                    ):
+                        self.status_port = free_tcp_port()
+                        break
+                    raise RuntimeError(f"draft server exited:\n{self.log_tail()}")
+                if self.http("/readyz")[0] == 200:
+                    return self
+                time.sleep(0.1)
+            else:
+                break
         self.stop()
         raise RuntimeError(f"draft server not ready:\n{self.log_tail()}")
 
@@ -146,7 +160,8 @@ class DraftServerProcess:
                 return reply.status, reply.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # Nothing there yet, or another process's socket on the port.
             return 0, b""
 
     def log_tail(self, lines: int = 40) -> str:
