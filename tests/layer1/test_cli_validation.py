@@ -399,8 +399,17 @@ def test_a_tcp_host_this_machine_cannot_bind_is_refused_at_parse_time(
 ):
     err = refused(["--address", address, "--allow-unsafe-remote-rpc"], capsys)
     (error,) = [line for line in err.splitlines() if "error:" in line]
-    assert f"error: argument --address: cannot bind {address}: " in error
+    assert f"error: argument --address: cannot bind {address!r}: " in error
     assert reason in error
+
+
+def test_an_address_with_a_newline_is_refused_in_one_line(capsys):
+    address = "tcp://draft\nhost:5555"
+    err = refused(["--address", address, "--allow-unsafe-remote-rpc"], capsys)
+    assert err.splitlines()[-1].endswith(
+        "error: argument --address: cannot bind 'tcp://draft\\nhost:5555': "
+        "'draft\\nhost' names no interface and no host that resolves"
+    )
 
 
 def test_curve_key_gone_before_bind_is_refused_in_one_line(tmp_path, caplog):

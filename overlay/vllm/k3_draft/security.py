@@ -211,8 +211,8 @@ def check_bindable(address: str) -> None:
         except zmq.ZMQError as exc:
             code = exc.errno or 0
             reason = _TCP_BIND_REASONS.get(code)
-            why = f"{host} {reason}" if reason else f"{host}: {zmq.strerror(code)}"
-            raise BindRefused(f"cannot bind {address}: {why}") from None
+            why = f"{host!r} {reason}" if reason else f"{host!r}: {zmq.strerror(code)}"
+            raise BindRefused(f"cannot bind {address!r}: {why}") from None
         finally:
             probe.close()
     finally:
