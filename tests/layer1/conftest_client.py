@@ -119,7 +119,7 @@ class ScriptedServer:
         self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.pong: dict[str, Any] = {
             "method": "dflash",
-            "capabilities": [],
+            "capabilities": [protocol.CAPABILITY_REPLY_SERVER_ID],
             "max_requests": 16,
             "max_batch_size": 8,
             "max_speculative_tokens": 4,

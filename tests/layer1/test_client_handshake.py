@@ -38,7 +38,7 @@ NEEDS = ServerRequirements(
 # PONG field -> an incompatible value for NEEDS.
 INCOMPATIBLE = {
     "method": "dspark",
-    "capabilities": [],
+    "capabilities": [protocol.CAPABILITY_REPLY_SERVER_ID],
     "context_width": 128,
     "vocab_size": 2048,
     "max_model_len": 2048,
@@ -70,6 +70,13 @@ def test_incompatible_pong_field_is_refused(client, scripted_server, field):
     scripted_server.pong[field] = INCOMPATIBLE[field]
     with pytest.raises(IncompatibleServerError, match=field):
         client.handshake(needs)
+
+
+def test_server_whose_replies_do_not_name_it_is_refused(client, scripted_server):
+    # A protocol-2 server of the previous release names itself in PONG only.
+    scripted_server.pong["capabilities"] = []
+    with pytest.raises(IncompatibleServerError, match="an older draft server"):
+        client.handshake(NEEDS)
 
 
 def test_malformed_pong_is_a_protocol_error(client, scripted_server):

@@ -390,7 +390,7 @@ def test_requests_of_a_propose_that_raised_unexpectedly_are_freed_next_step(
 ):
     # The server answered, so it holds "a"; the error escapes the plan (a
     # deferred reply thread logs it and goes on), and "a" never comes back.
-    scripted_server.pong["capabilities"] = [_ConsumeBugOnce.capability]
+    scripted_server.pong["capabilities"].append(_ConsumeBugOnce.capability)
     scripted_server.handlers["PROPOSE"] = lambda header, frames: _reply(
         tokens=[[1, 2, 3]] * len(header["requests"]),
         extensions=[{"capability": _ConsumeBugOnce.capability, "num_frames": 0}],

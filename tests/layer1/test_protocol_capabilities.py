@@ -72,7 +72,10 @@ def test_pong_advertises_an_offered_capability():
     pong = json.loads(
         server.handle([protocol.encode_header(protocol.request_header("PING"))])[0]
     )
-    assert pong["capabilities"] == ["test_logits_f32_v1"]
+    assert pong["capabilities"] == [
+        protocol.CAPABILITY_REPLY_SERVER_ID,
+        "test_logits_f32_v1",
+    ]
 
 
 def test_pong_omits_a_capability_that_is_not_offered():
@@ -80,7 +83,7 @@ def test_pong_omits_a_capability_that_is_not_offered():
     pong = json.loads(
         server.handle([protocol.encode_header(protocol.request_header("PING"))])[0]
     )
-    assert pong["capabilities"] == []
+    assert pong["capabilities"] == [protocol.CAPABILITY_REPLY_SERVER_ID]
 
 
 def test_greedy_client_gets_exactly_one_frame():

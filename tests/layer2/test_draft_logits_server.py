@@ -80,7 +80,11 @@ def _bf16(bits: np.ndarray) -> torch.Tensor:
 
 def test_pong_advertises_both_capabilities(client):
     pong, frames = client.call(protocol.OP_PING)
-    assert pong["capabilities"] == [CAPABILITY_FULL, CAPABILITY_TOPK]
+    assert pong["capabilities"] == [
+        protocol.CAPABILITY_REPLY_SERVER_ID,
+        CAPABILITY_FULL,
+        CAPABILITY_TOPK,
+    ]
     assert frames == []
 
 
@@ -215,7 +219,11 @@ def _dspark_oracle_logits(entries: list[dict]) -> torch.Tensor:
 def test_dspark_pong_advertises_both_capabilities(dspark_client):
     pong, _ = dspark_client.call(protocol.OP_PING)
     assert pong["method"] == "dspark"
-    assert pong["capabilities"] == [CAPABILITY_FULL, CAPABILITY_TOPK]
+    assert pong["capabilities"] == [
+        protocol.CAPABILITY_REPLY_SERVER_ID,
+        CAPABILITY_FULL,
+        CAPABILITY_TOPK,
+    ]
 
 
 def test_dspark_full_and_topk_logits_are_its_heads_and_describe_the_drafts(

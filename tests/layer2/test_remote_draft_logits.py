@@ -315,7 +315,7 @@ def test_a_malformed_logits_reply_fails_the_step_closed(
     topk,
 ):
     monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(topk))
-    scripted_server.pong["capabilities"] = [CAPABILITY_FULL, CAPABILITY_TOPK]
+    scripted_server.pong["capabilities"] += [CAPABILITY_FULL, CAPABILITY_TOPK]
     scripted_server.handlers[protocol.OP_PROPOSE] = lambda header, frames: (
         _scripted_propose(header, corrupt)
     )
@@ -338,7 +338,7 @@ def test_a_malformed_logits_reply_fails_the_step_closed(
 def test_server_without_the_capability_is_refused_at_init(
     make_speculator, probabilistic, scripted_server
 ):
-    scripted_server.pong["capabilities"] = [CAPABILITY_TOPK]
+    scripted_server.pong["capabilities"].append(CAPABILITY_TOPK)
     with pytest.raises(IncompatibleServerError, match=CAPABILITY_FULL):
         make_speculator(scripted_server.address, probabilistic)
 

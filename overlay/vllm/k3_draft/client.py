@@ -12,7 +12,9 @@ Every reply names the server process that wrote it (``server_id``). Once a
 handshake accepted a server, a reply from any other (a restarted process at
 the same address: ZeroMQ reconnects by itself) or without an id raises
 ``ServerChangedError`` until a new handshake accepts the one that answers:
-no reply of a server this engine has not checked is used.
+no reply of a server this engine has not checked is used. A server that does
+not advertise ``CAPABILITY_REPLY_SERVER_ID`` (a protocol-2 server of the
+previous release names itself in PONG only) is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import zmq
 
 from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.protocol import (
+    CAPABILITY_REPLY_SERVER_ID,
     METHODS,
     OP_CLEAR,
     OP_PING,
@@ -136,6 +139,10 @@ def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerIn
     problems = []
     if method != needs.method:
         problems.append(f"method {method!r}, this engine drafts with {needs.method!r}")
+    if CAPABILITY_REPLY_SERVER_ID not in capabilities:
+        problems.append(
+            "it does not name itself in its replies (an older draft server): upgrade it"
+        )
     lacking = sorted(needs.capabilities - set(capabilities))
     if lacking:
         problems.append(f"capabilities {capabilities} lack {lacking}")

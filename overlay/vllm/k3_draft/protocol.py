@@ -12,8 +12,9 @@ REQ socket. Every message is multipart:
   "protocol": 2, "op": "ERROR", "server_id": <id>, "error": "<Type>:
   <message>"}``. Every reply names the server process that wrote it (the id
   changes when the process restarts), so a client sees a restart in the first
-  reply of the new process. A version mismatch is an error on both sides. NaN
-  and infinities are not valid JSON here.
+  reply of the new process; PONG's ``capabilities`` lists
+  ``CAPABILITY_REPLY_SERVER_ID`` to say so. A version mismatch is an error on
+  both sides. NaN and infinities are not valid JSON here.
 * frames 1..n: raw little-endian tensor bytes, C order, no padding; their dtype
   and shape follow from the header. A frame's byte length must match exactly.
 
@@ -105,6 +106,9 @@ TIMING_FIELDS = (
     "total",
 )
 METHODS = ("dspark", "dflash")
+# Capability every server of this release advertises in PONG: all its replies
+# carry server_id (a server of the previous release names itself in PONG only).
+CAPABILITY_REPLY_SERVER_ID = "reply_server_id"
 # Longest request id (in characters) a server accepts.
 MAX_REQUEST_ID_CHARS = 512
 

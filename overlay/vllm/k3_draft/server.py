@@ -29,6 +29,7 @@ from vllm.k3_draft.kv_slots import SlotAllocator
 from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.protocol import (
     CAPABILITIES,
+    CAPABILITY_REPLY_SERVER_ID,
     OP_CLEAR,
     OP_FREE,
     OP_PING,
@@ -143,7 +144,10 @@ class DraftServer:
             for extension in capabilities
             if extension.is_offered(self.server_info, engine.spec.supports_logits)
         ]
-        self.server_info["capabilities"] = [e.capability for e in self.extensions]
+        self.server_info["capabilities"] = [
+            CAPABILITY_REPLY_SERVER_ID,
+            *(e.capability for e in self.extensions),
+        ]
         # PONG is static but for the trailing active_requests field.
         self._pong_prefix = encode_header(ok_reply(OP_PONG, **self.server_info))[:-1]
         self.parser = ProposeParser(
