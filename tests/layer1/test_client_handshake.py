@@ -124,6 +124,12 @@ def test_reply_not_naming_the_accepted_server_is_a_protocol_error(
         client.call("FREE", request_ids=["a"])
 
 
+def test_reply_without_server_id_before_a_handshake_is_refused(client, scripted_server):
+    scripted_server.handlers["FREE"] = _free_reply_from(None, ok=True)
+    with pytest.raises(ProtocolError, match="FREE reply has no server_id"):
+        client.call("FREE", request_ids=["a"])
+
+
 def test_only_a_new_handshake_accepts_a_restarted_server(client, scripted_server):
     client.handshake(NEEDS)
     scripted_server.pong["server_id"] = "scripted-2"
