@@ -200,12 +200,10 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
         # model's DP ranks are independent engines whose workers see
         # data_parallel_size=1 (reconfigure_for_independent_dp_rank); the DP
         # size the deployment was configured with survives in
-        # elastic_ep_max_dp_size (at least data_parallel_size), and the rank in
-        # data_parallel_index.
+        # elastic_ep_max_dp_size (at least data_parallel_size).
         dp_size = max(
             parallel_config.data_parallel_size,
             parallel_config.elastic_ep_max_dp_size or 1,
-            parallel_config.data_parallel_index + 1,
         )
         if dp_size > 1:
             raise ValueError(
