@@ -434,6 +434,19 @@ def test_a_request_reconnected_into_itself_still_serves_the_rows_it_holds(server
     assert full_state(server) == before
 
 
+def test_cached_tokens_count_the_rows_a_request_reconnected_into_itself_kept(
+    server,
+):
+    # A's cache keeps [72, 200); resumed at 190 from itself (K/V from 112), it
+    # still holds rows [72, 190) for later restores.
+    propose(server, [entry("A", 200, 200, reset=True)])
+    reply = call(
+        server, "RECONNECT", source_request_id="A", request_id="A", prefix_end=190
+    )
+    assert reply["restored_start"] == 112
+    assert server.snapshot()["prefix_cache"]["cached_tokens"] == 190 - 72
+
+
 def test_a_context_cache_below_window_plus_block_warns_of_refused_reconnects(caplog):
     with caplog.at_level(logging.WARNING):
         make_server()
