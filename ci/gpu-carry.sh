@@ -25,6 +25,6 @@ download() {
 }
 download -d .whl "pyzmq==27.3.0"
 download -d .whl-vllm -r ci/gpu-vllm-deps.txt
-python3 ci/vllm_py_wheel.py "$tree" .whl-vllm
+PYTHONPATH=build python3 ci/vllm_py_wheel.py "$tree" .whl-vllm
 ls .upstream .whl
 du -sh .whl-vllm

@@ -9,26 +9,26 @@ a warning, and whatever calls its ops fails there. vLLM's CUDA platform module
 imports compiled extensions unconditionally, so the wheel also carries a vLLM
 platform plugin (``k3_neutral_platform``) that keeps every process importing it
 on vLLM's platform-neutral code (``UnspecifiedPlatform``), as the CPU
-qualification runs: tensors still live on the GPU. Files are stored in sorted order
-with fixed timestamps, so the same tree gives the same bytes.
+qualification runs: tensors still live on the GPU. Files are stored in sorted
+order with fixed timestamps, so the same tree gives the same bytes.
 
-Usage: ``python3 ci/vllm_py_wheel.py TREE OUTDIR``
+Usage: ``PYTHONPATH=build python3 ci/vllm_py_wheel.py TREE OUTDIR`` (the
+wheel is written by the stack's own deterministic zip writer,
+``k3stack.wheel``).
 """
 
 from __future__ import annotations
 
-import base64
 import csv
-import hashlib
 import io
 import sys
-import zipfile
 from pathlib import Path
+
+from k3stack.wheel import ZipWriter, record_hash
 
 NAME = "vllm"
 VERSION = "0.33.0+stack.py"
 SUFFIXES = (".py", ".json")
-EPOCH = (1980, 1, 1, 0, 0, 0)
 PLUGIN = "k3_neutral_platform"
 PLUGIN_SOURCE = b'''"""vLLM platform plugin of the GPU-test wheel (ci/vllm_py_wheel.py):
 the wheel has no compiled extensions, so vLLM stays on its platform-neutral
@@ -38,11 +38,6 @@ code."""
 def neutral() -> str:
     return "vllm.platforms.interface.UnspecifiedPlatform"
 '''
-
-
-def _record_row(name: str, data: bytes) -> list[str]:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-    return [name, f"sha256={digest.decode()}", str(len(data))]
 
 
 def build(tree: Path, outdir: Path) -> Path:
@@ -65,34 +60,26 @@ def build(tree: Path, outdir: Path) -> Path:
             f"[vllm.platform_plugins]\n{PLUGIN} = {PLUGIN}:neutral\n".encode()
         ),
     }
+    entries = [(path.relative_to(tree).as_posix(), path.read_bytes()) for path in files]
+    entries += [(f"{PLUGIN}.py", PLUGIN_SOURCE), *meta.items()]
     outdir.mkdir(parents=True, exist_ok=True)
     wheel = outdir / f"{NAME}-{VERSION}-py3-none-any.whl"
+    writer = ZipWriter(wheel)
     record: list[list[str]] = []
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
-
-        def add(name: str, data: bytes) -> None:
-            info = zipfile.ZipInfo(name, EPOCH)
-            info.compress_type = zipfile.ZIP_DEFLATED
-            info.external_attr = 0o644 << 16
-            zf.writestr(info, data)
-            record.append(_record_row(name, data))
-
-        for path in files:
-            add(path.relative_to(tree).as_posix(), path.read_bytes())
-        add(f"{PLUGIN}.py", PLUGIN_SOURCE)
-        for name, data in meta.items():
-            add(name, data)
-        record_name = f"{dist_info}/RECORD"
-        record.append([record_name, "", ""])
-        text = io.StringIO()
-        csv.writer(text, lineterminator="\n").writerows(record)
-        info = zipfile.ZipInfo(record_name, EPOCH)
-        info.external_attr = 0o644 << 16
-        zf.writestr(info, text.getvalue(), zipfile.ZIP_DEFLATED)
+    for name, data in entries:
+        writer.add_bytes(name, data)
+        record.append([name, record_hash(data), str(len(data))])
+    record.append([f"{dist_info}/RECORD", "", ""])
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows(record)
+    writer.add_bytes(f"{dist_info}/RECORD", text.getvalue().encode())
+    writer.close()
     return wheel
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        raise SystemExit("usage: python3 ci/vllm_py_wheel.py TREE OUTDIR")
+        raise SystemExit(
+            "usage: PYTHONPATH=build python3 ci/vllm_py_wheel.py TREE OUTDIR"
+        )
     print(build(Path(sys.argv[1]), Path(sys.argv[2])))

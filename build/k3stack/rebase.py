@@ -141,10 +141,9 @@ def classify(
     for layer in stack.layers:
         result = LayerResult(layer.number, layer.name, "")
         results.append(result)
+        mine = _changed(layer)
         shared = {
-            s.number: sorted(_changed(s) & _changed(layer))
-            for s in skipped
-            if _changed(s) & _changed(layer)
+            s.number: sorted(common) for s in skipped if (common := _changed(s) & mine)
         }
         result.tried_without = sorted(shared)
         without = _without_note(shared)

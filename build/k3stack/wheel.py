@@ -50,7 +50,9 @@ def wheel_name(upstream: str, local_version: str) -> str:
     return f"{name}-{version}+{local_version}-{rest}"
 
 
-class _ZipWriter:
+class ZipWriter:
+    """A zip file of fixed timestamps (1980-01-01), entries in the order added."""
+
     def __init__(self, path: Path):
         self.out = path.open("wb")
         self.central: list[bytes] = []
@@ -187,7 +189,7 @@ def build_wheel(
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / wheel_name(upstream.name, local_version)
     partial = target.with_name(target.name + ".part")
-    writer = _ZipWriter(partial)
+    writer = ZipWriter(partial)
     record: list[list[str]] = []
     present = set()
     with upstream.open("rb") as source:

@@ -269,15 +269,14 @@ class DraftClient:
         """Refuse a reply (error replies too) that does not name the server
         the handshake accepted, or none without a handshake."""
         theirs = header.get("server_id")
-        if theirs == self.server_id and self.server_id is not None:
-            return
-        if self.server_id is not None:
+        if self.server_id is None:
+            if not isinstance(theirs, str) or not theirs:
+                raise ProtocolError(f"{op} reply has no server_id")
+        elif theirs != self.server_id:
             raise ServerChangedError(
                 f"{op} reply from draft server {theirs!r}, not {self.server_id!r} "
                 "that the handshake accepted: it restarted"
             )
-        if not isinstance(theirs, str) or not theirs:
-            raise ProtocolError(f"{op} reply has no server_id")
 
     def handshake(
         self, needs: ServerRequirements, known_server_id: str | None = None
