@@ -19,8 +19,6 @@ wheel is written by the stack's own deterministic zip writer,
 
 from __future__ import annotations
 
-import csv
-import io
 import sys
 from pathlib import Path
 
@@ -69,10 +67,7 @@ def build(tree: Path, outdir: Path) -> Path:
     for name, data in entries:
         writer.add_bytes(name, data)
         record.append([name, record_hash(data), str(len(data))])
-    record.append([f"{dist_info}/RECORD", "", ""])
-    text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows(record)
-    writer.add_bytes(f"{dist_info}/RECORD", text.getvalue().encode())
+    writer.add_record(f"{dist_info}/RECORD", record)
     writer.close()
     return wheel
 

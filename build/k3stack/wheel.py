@@ -124,6 +124,12 @@ class ZipWriter:
             executable,
         )
 
+    def add_record(self, name: str, rows: list[list[str]]) -> None:
+        """The wheel's RECORD ``name``: ``rows`` and its own row, as CSV."""
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows([*rows, [name, "", ""]])
+        self.add_bytes(name, text.getvalue().encode())
+
     def close(self) -> None:
         start = self.out.tell()
         for entry in self.central:
@@ -221,10 +227,7 @@ def build_wheel(
         path = f"{new_dist_info}/{meta}"
         writer.add_bytes(path, data)
         record.append([path, record_hash(data), str(len(data))])
-    record.append([f"{new_dist_info}/RECORD", "", ""])
-    text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows(record)
-    writer.add_bytes(f"{new_dist_info}/RECORD", text.getvalue().encode())
+    writer.add_record(f"{new_dist_info}/RECORD", record)
     writer.close()
     partial.replace(target)
     return target
