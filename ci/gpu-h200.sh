@@ -70,13 +70,16 @@ if [ "$vllm_tests" = 1 ]; then
   fi
 fi
 # Multi-rank checks (TP broadcast, DCP merge, replicated draft) at every
-# power-of-two world size the GPUs allow, NCCL with NVLink multicast off.
+# power-of-two world size the GPUs allow, NCCL with NVLink multicast off; the
+# TP broadcast through the real speculator and vLLM's TP group where vllm's
+# Python is there (installed, or carried in .whl-vllm/).
 sizes=""
 for n in 1 2 4 8; do
   if [ "$n" -le "$gpus" ]; then sizes="${sizes:+$sizes,}$n"; fi
 done
 [ -n "$sizes" ] || { echo "gpu-h200: no CUDA device for the multi-rank checks"; status=1; }
-timeout 300 python3 ci/multi_rank.py --world-sizes "$sizes" --out "$OUT/multi-rank.json" \
+PYTHONPATH="${vllm_path:+$vllm_path:}$PYTHONPATH" timeout 300 python3 ci/multi_rank.py \
+  --world-sizes "$sizes" --out "$OUT/multi-rank.json" \
   2>&1 | tee "$OUT/multi-rank.txt" | tail -20 || status=1
 if [ "${K3_GPU_BENCH:-1}" = 1 ]; then
   timeout 200 python3 bench/bench_deferred_resolve.py --steps 60 \
