@@ -225,6 +225,18 @@ def test_malformed_curve_secret_key_is_refused(tmp_path, capsys):
     assert "malformed secret key" in refused(flags, capsys)
 
 
+def test_curve_secret_key_that_is_not_z85_is_refused_in_one_line(tmp_path, capsys):
+    """40 characters, but '~' is not a Z85 digit (libzmq refuses it)."""
+    flags = _curve_flags(tmp_path)
+    server = Path(flags[1])
+    secret = _secret(server)
+    server.write_text(server.read_text().replace(secret, "~" + secret[1:]))
+    err = refused(flags, capsys)
+    assert err.splitlines()[-1].endswith(
+        f"error: {server}: malformed secret key (not 40 Z85 characters)"
+    )
+
+
 def test_a_client_certificate_that_cannot_be_loaded_is_refused(tmp_path, capsys):
     """pyzmq's authenticator would log it and then refuse every client."""
     flags = _curve_flags(tmp_path)

@@ -186,6 +186,20 @@ def test_timeout_must_fit_a_zeromq_option(timeout_ms):
         DraftClient("tcp://127.0.0.1:5555", timeout_ms=timeout_ms)
 
 
+def test_client_secret_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
+    server_public, _ = zmq.auth.create_certificates(tmp_path, "server")
+    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    secret = zmq.auth.load_certificate(client_secret)[1]
+    assert secret is not None
+    text = Path(client_secret).read_bytes()
+    Path(client_secret).write_bytes(text.replace(secret, b"~" + secret[1:]))
+    with pytest.raises(ValueError) as refused:
+        CurveKeys.load(server_public, client_secret)
+    assert str(refused.value) == (
+        f"{client_secret}: malformed secret key (not 40 Z85 characters)"
+    )
+
+
 def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):
     from k3_layer1_server import free_tcp_port
 

@@ -31,11 +31,13 @@ import ipaddress
 import os
 import socket as _socket
 import stat
+import struct
 from dataclasses import dataclass
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from vllm.k3_draft.log import init_logger
 
@@ -44,8 +46,9 @@ logger = init_logger(__name__)
 
 def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
     """(public, secret) keys of a ZeroMQ certificate file; ``ValueError``
-    naming ``what`` and the file when it cannot be read, or when ``secret`` is
-    required and the file holds only a public key."""
+    naming ``what`` or the file when it cannot be read, when ``secret`` is
+    required and the file holds only a public key, or when its secret key is
+    malformed or not its public key's."""
     try:
         public_key, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -53,13 +56,25 @@ def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
     if secret and not secret_key:
         raise ValueError(f"{path} holds no secret key")
     if secret_key:
-        try:
-            matches = zmq.curve_public(secret_key) == public_key
-        except ValueError as exc:
-            raise ValueError(f"{path}: malformed secret key: {exc}") from exc
-        if not matches:
+        check_z85_key(secret_key, path, "secret key")
+        if zmq.curve_public(secret_key) != public_key:
             raise ValueError(f"{path}: the public key is not its secret key's")
     return public_key, secret_key or b""
+
+
+# A CURVE key as a certificate writes it: 32 bytes in 40 Z85 characters.
+_Z85_KEY_CHARS = 40
+
+
+def check_z85_key(key: bytes, path: str, what: str) -> None:
+    """``ValueError`` naming ``path`` unless ``key`` is 40 Z85 characters that
+    decode to 32 bytes (libzmq refuses any other with a bare EINVAL)."""
+    try:
+        valid = len(key) == _Z85_KEY_CHARS and len(z85.decode(key)) == 32
+    except (KeyError, ValueError, struct.error):
+        valid = False
+    if not valid:
+        raise ValueError(f"{path}: malformed {what} (not 40 Z85 characters)")
 
 
 class BindRefused(ValueError):
