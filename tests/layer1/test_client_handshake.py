@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -198,6 +200,49 @@ def test_client_secret_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
     assert str(refused.value) == (
         f"{client_secret}: malformed secret key (not 40 Z85 characters)"
     )
+
+
+# Builds a DraftClient(argv[1], 1000 ms, CURVE to server key argv[2] if any)
+# and exits with its ValueError's message.
+_CONSTRUCT = """
+import sys
+import zmq
+from vllm.k3_draft.client import CurveKeys, DraftClient
+address, server_key = sys.argv[1:]
+curve = None
+if server_key:
+    public, secret = zmq.curve_keypair()
+    curve = CurveKeys(server_key.encode(), public, secret)
+try:
+    DraftClient(address, 1000, curve).close()
+except ValueError as exc:
+    sys.exit(str(exc))
+"""
+
+
+@pytest.mark.parametrize(
+    "address, server_key, reason",
+    [
+        ("tcp://bad host:5555", "", "Invalid argument"),
+        ("ipc:///tmp/" + "x" * 120, "", "File name too long"),
+        ("tcp://127.0.0.1:5555", "y!@JZ9#5)u", "Invalid argument"),
+    ],
+    ids=["host", "ipc-path-too-long", "truncated-server-key"],
+)
+def test_client_that_cannot_connect_fails_construction_in_one_line(
+    address, server_key, reason
+):
+    """The socket is closed before the error propagates (left open, it kept
+    the context's term() waiting for ever); in a subprocess, so that a hang
+    fails on the timeout."""
+    child = subprocess.run(
+        [sys.executable, "-c", _CONSTRUCT, address, server_key],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 1, child.stderr
+    assert child.stderr.splitlines()[-1] == f"cannot connect to {address!r}: {reason}"
 
 
 def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):

@@ -212,20 +212,29 @@ class DraftClient:
             self._socket = self._connect()
         except zmq.ZMQError as exc:
             self._context.term()
-            raise ValueError(f"cannot connect to {address!r}: {exc}") from None
+            # strerror alone: pyzmq's message of a connect repeats the address.
+            reason = zmq.strerror(exc.errno or 0)
+            raise ValueError(f"cannot connect to {address!r}: {reason}") from None
 
     def _connect(self) -> zmq.Socket:
+        """A fresh REQ socket connected to the server; on failure it is closed
+        before the error propagates (an open one keeps ``close``'s
+        ``context.term()`` waiting for ever)."""
         socket = self._context.socket(zmq.REQ)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-        socket.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-        if needs_ipv6(self.address):
-            socket.setsockopt(zmq.IPV6, 1)
-        if self.curve is not None:
-            socket.curve_serverkey = self.curve.server_public
-            socket.curve_publickey = self.curve.client_public
-            socket.curve_secretkey = self.curve.client_secret
-        socket.connect(self.address)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            socket.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            if needs_ipv6(self.address):
+                socket.setsockopt(zmq.IPV6, 1)
+            if self.curve is not None:
+                socket.curve_serverkey = self.curve.server_public
+                socket.curve_publickey = self.curve.client_public
+                socket.curve_secretkey = self.curve.client_secret
+            socket.connect(self.address)
+        except BaseException:
+            socket.close(linger=0)
+            raise
         return socket
 
     def _renew(self) -> None:
