@@ -244,6 +244,24 @@ def test_a_client_certificate_that_cannot_be_loaded_is_refused(tmp_path, capsys)
     assert "cannot load the authorized keys" in refused(flags, capsys)
 
 
+@pytest.mark.parametrize(
+    "garble", [lambda key: key[:10], lambda key: "~" + key[1:]], ids=["short", "~"]
+)
+def test_authorized_client_key_that_is_not_z85_is_refused_in_one_line(
+    tmp_path, capsys, garble
+):
+    """pyzmq's authenticator would take it, match no client with it and
+    refuse every client without a word."""
+    flags = _curve_flags(tmp_path)
+    client = tmp_path / "clients" / "client.key"
+    public = zmq.auth.load_certificate(client)[0].decode()
+    client.write_text(client.read_text().replace(public, garble(public)))
+    err = refused(flags, capsys)
+    assert err.splitlines()[-1].endswith(
+        f"error: {client}: malformed public key (not 40 Z85 characters)"
+    )
+
+
 def test_authorized_keys_directory_without_certificates_is_refused(tmp_path, capsys):
     flags = _curve_flags(tmp_path)
     (tmp_path / "clients" / "client.key").unlink()

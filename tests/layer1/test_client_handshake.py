@@ -202,6 +202,19 @@ def test_client_secret_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
     )
 
 
+def test_server_public_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
+    server_public, _ = zmq.auth.create_certificates(tmp_path, "server")
+    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    public = zmq.auth.load_certificate(server_public)[0]
+    text = Path(server_public).read_bytes()
+    Path(server_public).write_bytes(text.replace(public, public[:10]))
+    with pytest.raises(ValueError) as refused:
+        CurveKeys.load(server_public, client_secret)
+    assert str(refused.value) == (
+        f"{server_public}: malformed public key (not 40 Z85 characters)"
+    )
+
+
 # Builds a DraftClient(argv[1], 1000 ms, CURVE to server key argv[2] if any)
 # and exits with its ValueError's message.
 _CONSTRUCT = """

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import errno
+import glob
 import ipaddress
 import os
 import socket as _socket
@@ -46,13 +47,14 @@ logger = init_logger(__name__)
 
 def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
     """(public, secret) keys of a ZeroMQ certificate file; ``ValueError``
-    naming ``what`` or the file when it cannot be read, when ``secret`` is
-    required and the file holds only a public key, or when its secret key is
-    malformed or not its public key's."""
+    naming ``what`` or the file when it cannot be read, when a key in it is
+    malformed, when ``secret`` is required and the file holds only a public
+    key, or when its secret key is not its public key's."""
     try:
         public_key, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load {what} {path}: {exc}") from exc
+    check_z85_key(public_key, path, "public key")
     if secret and not secret_key:
         raise ValueError(f"{path} holds no secret key")
     if secret_key:
@@ -95,20 +97,25 @@ class CurveConfig:
 
     def check_authorized_keys(self) -> None:
         """``ValueError`` unless the authorized clients' directory holds
-        ``*.key`` certificates that all load (pyzmq's authenticator, which
-        loads them again, only logs a bad file and then refuses every
-        client)."""
+        ``*.key`` certificates that all load, each with a well-formed public
+        key (pyzmq's authenticator, which loads them again, only logs a file
+        it cannot load and takes a malformed key that matches no client:
+        either way it refuses every client)."""
         folder = self.authorized_keys_dir
         if not os.path.isdir(folder):
             raise ValueError(f"authorized keys directory {folder} is missing")
-        try:
-            keys = zmq.auth.load_certificates(folder)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot load the authorized keys in {folder}: {exc}"
-            ) from exc
-        if not keys:
+        # The files the authenticator reads (zmq.auth.load_certificates).
+        files = sorted(glob.glob(os.path.join(folder, "*.key")))
+        if not files:
             raise ValueError(f"no client certificate (*.key) in {folder}")
+        for path in files:
+            try:
+                public_key, _ = zmq.auth.load_certificate(path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"cannot load the authorized keys in {folder}: {exc}"
+                ) from exc
+            check_z85_key(public_key, path, "public key")
 
     def check(self) -> None:
         """Refuse missing, unreadable or inconsistent key material."""
