@@ -65,6 +65,15 @@ def test_help_states_the_default_of_each_flag(flag, default, capsys):
     assert f"(default: {default})" in " ".join(entry.split())
 
 
+def test_help_says_authorized_keys_take_effect_at_the_next_start(capsys):
+    """The authenticator reads the directory once: changes need a restart."""
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out)
+    (entry,) = [e for e in entries if e.startswith("--curve-authorized-keys ")]
+    assert "takes effect at the next start" in " ".join(entry.split())
+
+
 @pytest.mark.parametrize(
     "flag",
     [

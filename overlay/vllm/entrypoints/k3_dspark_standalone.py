@@ -184,7 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--curve-authorized-keys",
         type=_existing_dir,
-        help="directory of authorized client public certificates",
+        help="directory of authorized client public certificates (*.key), read "
+        "once at start-up: adding or removing one takes effect at the next start",
     )
     net.add_argument(
         "--allow-unsafe-remote-rpc",
