@@ -22,7 +22,7 @@ import json
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -146,14 +146,20 @@ def _handler(state: StatusState, registry: CollectorRegistry, timeout_s: float) 
         def do_HEAD(self) -> None:  # noqa: N802
             self._answer(body=False)
 
+        def __getattr__(self, name: str) -> Callable[[], None]:
+            # http.server answers a method without a do_ handler 501 (TRACE,
+            # CONNECT, any unknown one): every method but GET and HEAD is
+            # refused alike instead.
+            if name.startswith("do_"):
+                return self._refuse_method
+            raise AttributeError(name)
+
         def _refuse_method(self) -> None:
             self.send_response(405)
             self.send_header("Allow", "GET, HEAD")
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", "0")
             self.end_headers()
-
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
 
         def _answer(self, body: bool) -> None:
             path = self.path.split("?", 1)[0]
