@@ -40,6 +40,7 @@ from k3_l3_steps import (
 
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import (
+    NUM_STAGING_SLOTS,
     DeferredResolution,
     extension_staging,
     install_deferred_resolution,
@@ -229,13 +230,17 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
     failure,
     outstanding,
 ):
+    """The failed reply reuses a staging slot that an earlier good reply
+    filled: the failure must empty it, not leave that reply to publish."""
     speculator, _ = make_speculator(reference_server.address, probabilistic)
     strategy = _deferred(speculator, outstanding)
     runner = _runner(make_runner, speculator)
     extension = _extension(speculator)
     published = _record_publish(extension, monkeypatch)
-    _sample_tokens(runner, step_batch(["a", "b"], 10), 0)
-    runner.execute_model(scheduler_output(set(), []))
+    # Good replies in every staging slot; the failing step reuses the first.
+    for step in range(NUM_STAGING_SLOTS):
+        _sample_tokens(runner, step_batch(["a", "b"], 10 + (K + 1) * step), step)
+        runner.execute_model(scheduler_output(set(), []))
     cache = extension.draft_logits.clone()
     assert not (cache[SLOTS] == FILL).all()
     assert not any(s.stale for s in speculator.plan.retained.values())
@@ -248,7 +253,8 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
         monkeypatch.setattr(speculator, "exchange", broken)
     else:
         _fail_consume(extension, monkeypatch)
-    _sample_tokens(runner, step_batch(["a", "b"], 14), 1)
+    failing = NUM_STAGING_SLOTS
+    _sample_tokens(runner, step_batch(["a", "b"], 10 + (K + 1) * failing), failing)
     assert strategy.pending
     worker = threading.Thread(
         target=runner.execute_model,
