@@ -322,6 +322,25 @@ def test_a_reply_delivered_before_the_wait_parks_nothing():
     assert gate.events == ["park"]
 
 
+def test_a_reused_reply_releases_only_a_stream_parked_for_its_own_reply():
+    """A staging slot's reply gate over three steps: parked before the reply,
+    the reply before the wait, parked again. Each parked step releases once
+    and the unparked one releases nothing: ``release`` with no stream parked
+    is a barrier wait that never returns, hanging the reply thread."""
+    gate = RecordingGate()
+    reply = stream_gate.ReplyGate(gate)
+    for wait_first in (True, False, True):
+        reply.reset()
+        before = len(gate.events)
+        if wait_first:
+            reply.wait()
+            reply.deliver(lambda: None, lambda exc: None)
+        else:
+            reply.deliver(lambda: None, lambda exc: None)
+            reply.wait()
+        assert gate.events[before:] == (["park", "release"] if wait_first else [])
+
+
 # ------------------------------------------------------------ helpers
 
 
