@@ -491,6 +491,29 @@ def test_a_reused_staging_slot_keeps_no_rows_of_its_earlier_reply(
     assert torch.equal(extension.draft_logits[1], cache[1])
 
 
+def test_a_second_topk_reply_leaves_only_its_own_top_k_in_the_cache(
+    one_rank, reference_gumbel
+):
+    """Top-k replies for the same request on two steps: the cache row holds
+    the second step's k entries, none of the first's."""
+    fmt = LogitsFormat(40, 5)
+    first = Proposal(("x",), np.array([0]), np.array([9]), K)
+    second = Proposal(("x",), np.array([0]), np.array([10]), K)
+    extension = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+    only_second = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
+    for proposal, seed in ((first, 1), (second, 2)):
+        extension.publish(
+            extension.consume(*_reply_for(fmt, proposal, seed), proposal),
+            _context(torch.full((1, K), -1), [2]),
+        )
+    only_second.publish(
+        only_second.consume(*_reply_for(fmt, second, 2), second),
+        _context(torch.full((1, K), -1), [2]),
+    )
+    assert ((extension.draft_logits[2] != FILL).sum(-1) == 5).all()
+    assert torch.equal(extension.draft_logits, only_second.draft_logits)
+
+
 # ------------------------------------------- staging slots chosen by number
 
 
