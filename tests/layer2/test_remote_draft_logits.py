@@ -682,6 +682,28 @@ def test_topk_above_the_vocabulary_is_a_startup_error(
         make_speculator(scripted_server.address, probabilistic)
 
 
+def test_topk_equal_to_the_vocabulary_is_accepted_and_keeps_every_logit(
+    make_speculator,
+    probabilistic,
+    reference_server,
+    reference_gumbel,
+    oracle_logits,
+    monkeypatch,
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", str(VOCAB))
+    speculator, _ = make_speculator(reference_server.address, probabilistic)
+    (extension,) = speculator.extensions
+    assert extension.capability == CAPABILITY_TOPK
+    temperature = (0.9, 0.5)
+    drafts = _step(speculator, temperature=temperature)
+    cache = speculator.draft_logits
+    torch.testing.assert_close(
+        cache[list(ROWS)].float(), oracle_logits, rtol=BF16_ULP, atol=1e-6
+    )
+    expected = _expected_drafts(cache, (12, 21), temperature, (11, -(2**40)))
+    assert torch.equal(drafts, expected)
+
+
 def test_topk_variable_does_not_change_compile_factors(monkeypatch):
     monkeypatch.delenv("VLLM_K3_DRAFT_LOGITS_TOPK", raising=False)
     before = envs.compile_factors()
