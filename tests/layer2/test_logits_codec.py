@@ -237,6 +237,7 @@ def test_repeated_id_in_a_slot_is_refused():
         (lambda m: m.update(shape=[3, K + 1, V]), "shape"),
         (lambda m: m.update(shape=[3.0, K, V]), "shape"),
         (lambda m: m.update(nbytes=m["nbytes"] + 2), "nbytes"),
+        (lambda m: m.update(nbytes=float(m["nbytes"])), "nbytes"),
         (lambda m: m.update(capability=CAPABILITY_TOPK), "entry is"),
         (lambda m: m.update(num_frames=2), "frames"),
         (lambda m: m.update(extra=1), "fields"),
