@@ -72,7 +72,11 @@ def test_dual_batch_overlap_with_a_remote_address_is_refused(monkeypatch, tmp_pa
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ADDRESS)
     message = refusal(tmp_path, enable_dbo=True)
     assert "\n" not in message
-    assert "dual batch overlap" in message
+    assert message.startswith(
+        f"Remote drafting (VLLM_K3_DRAFT_REMOTE_ADDRESS={ADDRESS}) requires "
+        "Model Runner V2, which does not yet support dual batch overlap"
+    )
+    assert message.endswith("unset VLLM_K3_DRAFT_REMOTE_ADDRESS.")
 
 
 def test_missing_triton_with_a_remote_address_is_refused(monkeypatch, tmp_path):
@@ -81,6 +85,15 @@ def test_missing_triton_with_a_remote_address_is_refused(monkeypatch, tmp_path):
     message = refusal(tmp_path)
     assert "\n" not in message
     assert "Triton" in message
+
+
+def test_v2_forced_on_with_a_remote_address_runs_without_triton(monkeypatch, tmp_path):
+    # VLLM_USE_V2_MODEL_RUNNER=1 overrides the Triton check, as upstream's
+    # selection does without an address.
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ADDRESS)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    without_triton(monkeypatch)
+    assert make_vllm_config(tmp_path).use_v2_model_runner
 
 
 def test_remote_address_with_defaults_selects_model_runner_v2(monkeypatch, tmp_path):
