@@ -152,6 +152,36 @@ def test_long_context_with_many_sequences_builds(
     assert planner.plans[4][-1].num_kv_splits == 1
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 12])
+def test_every_plan_fits_the_workspace_the_backend_reserves(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int
+) -> None:
+    # One sequence of up to 4096 tokens: the kernel's own split choice would
+    # take 16 splits; the backend reserves for 8. The reservation is locked
+    # as after warmup, so a plan needing more raises.
+    from vllm.v1.attention.backends.mla import triton_mla
+    from vllm.v1.attention.ops import k3_fused_mla_verify as kernel
+    from vllm.v1.worker import workspace
+
+    # Without a GPU driver vllm sees Triton's placeholder; the reservation's
+    # split count needs the real module, as on the GPU machine.
+    monkeypatch.setattr(triton_mla, "triton", kernel.triton)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        builder = make_builder(model_dir, monkeypatch, max_num_seqs=max_num_seqs)
+        workspace.lock_workspace()
+        heads = builder.num_heads * builder.dcp_world_size
+        for plans in builder.k3_verify.plans.values():
+            for plan in plans:
+                rows = plan.capacity * plan.query_len
+                numel = kernel.workspace_numel(rows, heads, plan.num_kv_splits)
+                workspace.current_workspace_manager().get_simultaneous(
+                    ((numel,), torch.float32)
+                )
+    finally:
+        workspace.reset_workspace_manager()
+
+
 def test_row_capacity_is_checked_at_construction(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
