@@ -140,6 +140,20 @@ def test_page_table_narrower_than_local_span_is_refused(
         make_builder(model_dir, monkeypatch, dcp=8, interleave=128, max_model_len=1100)
 
 
+def test_page_table_one_page_short_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # max_model_len 1044: rank 0 owns 128 + 20 tokens (10 pages of 16); the
+    # table has cdiv(1044, 128) = 9.
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    monkeypatch.setattr(
+        MLAAttentionSpec, "block_table_token_alignment", property(lambda s: None)
+    )
+    with pytest.raises(ValueError, match="page table holds 9 pages.*needs 10"):
+        make_builder(model_dir, monkeypatch, dcp=8, interleave=128, max_model_len=1044)
+
+
 def test_long_context_with_many_sequences_builds(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
