@@ -86,6 +86,16 @@ def test_not_eligible_without_spec_decode_or_other_dims(
     assert b.reorder_batch_threshold == 1
 
 
+def test_query_len_8_takes_the_fused_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 7 speculative tokens verify 8 rows a request, the top of 2..8.
+    builder = make_builder(model_dir, monkeypatch, spec_tokens=7)
+    assert builder.k3_verify is not None
+    meta = builder.build(0, make_common([100, 100], [8, 8], 16))
+    assert meta.decode.verify_plan.query_len == 8
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])
 def test_devices_other_than_hopper_keep_the_upstream_path(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, capability: Any
