@@ -56,9 +56,11 @@ def make_builder(
     kv_lora_rank: int = 512,
     capability: tuple[int, int] | None = (9, 0),
     device: str = "cpu",
+    non_causal: bool = False,
 ) -> Any:
     """The builder of a tiny MLA model on a CUDA device of ``capability``
-    (None: a platform other than CUDA), its tensors on ``device``."""
+    (None: a platform other than CUDA), its tensors on ``device``;
+    ``non_causal``: the layer drafts non-causal multi-token blocks."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.platforms import current_platform
@@ -93,7 +95,7 @@ def make_builder(
         v_head_dim=16,
         prefill_backend=_Prefill(),
         dcp_manager=manager,
-        non_causal_multi_token_decode=False,
+        non_causal_multi_token_decode=non_causal,
     )
     monkeypatch.setattr(
         mla_attention,

@@ -96,6 +96,20 @@ def test_query_len_8_takes_the_fused_path(
     assert meta.decode.verify_plan.query_len == 8
 
 
+def test_non_causal_layer_keeps_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A layer drafting non-causal blocks (DFlash-style) gets no planner, and
+    # its non-causal steps never take the causal fused kernel.
+    from vllm.v1.attention.backends.mla import k3_fused_verify
+
+    builder = make_builder(model_dir, monkeypatch, non_causal=True)
+    assert builder.k3_verify is None
+    common = make_common([100, 100], [4, 4], 16)
+    common.causal = False
+    assert k3_fused_verify.verify_plan_of(builder.build(0, common)) is None
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])
 def test_devices_other_than_hopper_keep_the_upstream_path(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, capability: Any
