@@ -150,32 +150,29 @@ def test_dcp_verify_batches_are_decodes_on_the_fused_path(
     assert meta.decode.dcp_tot_seq_lens.tolist() == [100, 200]
 
 
+@pytest.mark.parametrize(
+    ("max_model_len", "needs"),
+    [
+        # Rank 0 owns 128 + 76 tokens of 1100: 13 pages of 16.
+        (1100, 13),
+        # Rank 0 owns 128 + 20 tokens of 1044: 10 pages, one more than the table.
+        (1044, 10),
+    ],
+)
 def test_page_table_narrower_than_local_span_is_refused(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, max_model_len: int, needs: int
 ) -> None:
-    # DCP 8, interleave 128 > page 16 with no alignment slack: rank 0 owns
-    # 128 + 76 tokens of 1100 (13 pages) but the table has cdiv(1100, 128).
+    # DCP 8, interleave 128 > page 16 with no alignment slack: the table has
+    # cdiv(max_model_len, 128) = 9 pages.
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     monkeypatch.setattr(
         MLAAttentionSpec, "block_table_token_alignment", property(lambda s: None)
     )
-    with pytest.raises(ValueError, match="page table holds 9 pages.*needs 13"):
-        make_builder(model_dir, monkeypatch, dcp=8, interleave=128, max_model_len=1100)
-
-
-def test_page_table_one_page_short_is_refused(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # max_model_len 1044: rank 0 owns 128 + 20 tokens (10 pages of 16); the
-    # table has cdiv(1044, 128) = 9.
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    monkeypatch.setattr(
-        MLAAttentionSpec, "block_table_token_alignment", property(lambda s: None)
-    )
-    with pytest.raises(ValueError, match="page table holds 9 pages.*needs 10"):
-        make_builder(model_dir, monkeypatch, dcp=8, interleave=128, max_model_len=1044)
+    with pytest.raises(ValueError, match=f"page table holds 9 pages.*needs {needs}"):
+        make_builder(
+            model_dir, monkeypatch, dcp=8, interleave=128, max_model_len=max_model_len
+        )
 
 
 def test_long_context_with_many_sequences_builds(
