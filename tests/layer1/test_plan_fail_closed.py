@@ -93,7 +93,9 @@ MALFORMED = {
         protocol.encode_header(protocol.ok_reply("FREE", server_id=SERVER_ID))
     ],
     "too few rows": _reply(tokens=[[1, 2, 3]]),
+    "too many rows": _reply(tokens=[[1, 2, 3], [4, 5, 6], [7, 8, 9]]),
     "short row": _reply(tokens=[[1, 2, 3], [4, 5]]),
+    "long row": _reply(tokens=[[1, 2, 3], [4, 5, 6, 7]]),
     "out of vocabulary": _reply(tokens=[[1, 2, 3], [4, 5, 1024]]),
     "negative id": _reply(tokens=[[1, 2, 3], [4, -1, 6]]),
     "bool id": _reply(tokens=[[1, 2, 3], [4, True, 6]]),
@@ -206,6 +208,54 @@ def test_failing_free_keeps_requests_stale(plan, scripted_server):
     assert not plan.retained["a"].stale
 
 
+def _hold_at_most(plan: RemotePlan, server: Any, max_requests: int) -> None:
+    """Shake hands again with a server that holds ``max_requests`` requests,
+    for an engine of as many sequences."""
+    plan.needs = dataclasses.replace(plan.needs, max_num_seqs=max_requests)
+    server.pong["max_requests"] = max_requests
+    plan.connect()
+
+
+def test_request_whose_eviction_failed_is_freed_and_reset_when_it_returns(
+    plan, scripted_server
+):
+    _hold_at_most(plan, scripted_server, 1)
+    plan.run(_step(["a"]))
+    scripted_server.handlers["FREE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["b"]))  # a is evicted for b; its FREE fails
+    del scripted_server.handlers["FREE"]
+    scripted_server.log.clear()
+    assert (plan.run(_step(["a"], first=4)).tokens == 5).all()
+    assert scripted_server.ops() == ["FREE", "PROPOSE"]
+    assert scripted_server.log[1][1]["requests"][0]["reset"]
+
+
+def test_eviction_never_frees_a_request_of_the_batch(plan, scripted_server):
+    _hold_at_most(plan, scripted_server, 2)
+    plan.run(_step(["a"]))  # a holds [0, 4)
+    scripted_server.log.clear()
+    tokens = np.arange(64, dtype=np.int32)
+    requests = [
+        StepRequest("a", 4, 4, 9, 0, tokens),
+        StepRequest("b", 0, 4, 9, 4, tokens),
+        StepRequest("c", 0, 4, 9, 8, tokens),
+    ]
+    rows = torch.zeros(12, WIDTH, dtype=torch.bfloat16)
+    result = plan.run(StepInputs(requests, K, rows))
+    # No room for c: it gets no draft; a continues where it was.
+    assert result.tokens.tolist() == [[5] * K, [5] * K, [NO_DRAFT] * K]
+    assert scripted_server.ops() == ["PROPOSE"]
+    assert not scripted_server.log[0][1]["requests"][0]["reset"]
+
+
+def test_request_anchored_at_the_model_length_is_not_sent(plan, scripted_server):
+    anchored = StepRequest("a", NEEDS.max_model_len - 4, 4, 9, 0, None)
+    rows = torch.zeros(4, WIDTH, dtype=torch.bfloat16)
+    result = plan.run(StepInputs([anchored], K, rows))
+    assert (result.tokens == NO_DRAFT).all()
+    assert scripted_server.ops() == ["PING"]
+
+
 def test_refused_reconnect_cold_bootstraps_and_is_not_retried_below_its_end(
     plan, scripted_server
 ):
@@ -223,6 +273,23 @@ def test_refused_reconnect_cold_bootstraps_and_is_not_retried_below_its_end(
     assert scripted_server.ops() == ["PROPOSE"]
 
 
+def test_source_refused_at_a_prefix_end_is_not_retried_at_it(plan, scripted_server):
+    _hold_at_most(plan, scripted_server, 2)
+    plan.run(_step(["src"], count=40))
+    scripted_server.handlers["RECONNECT"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["new"], first=32, count=4))  # refused: new holds [32, 36)
+    scripted_server.log.clear()
+    # new is evicted for other, which leaves src the only source reaching 32.
+    tokens = np.arange(64, dtype=np.int32)
+    requests = [
+        StepRequest("src", 40, 4, 9, 0, tokens),
+        StepRequest("other", 32, 4, 9, 4, tokens),
+    ]
+    plan.run(StepInputs(requests, K, torch.zeros(8, WIDTH, dtype=torch.bfloat16)))
+    assert scripted_server.ops() == ["FREE", "PROPOSE"]
+    assert scripted_server.log[0][1]["request_ids"] == ["new"]
+
+
 def test_source_refused_at_one_prefix_end_still_serves_a_later_one(
     plan, scripted_server
 ):
@@ -237,20 +304,21 @@ def test_source_refused_at_one_prefix_end_still_serves_a_later_one(
     assert not scripted_server.log[1][1]["requests"][0]["reset"]
 
 
-# Replies to the RECONNECT of "new" at prefix end 32.
-MALFORMED_RECONNECT = {
-    "no restored_start": {},
-    "restored after the prefix end": {"restored_start": 33},
-    "negative restored_start": {"restored_start": -1},
-    "another prefix end": {"restored_start": 16, "prefix_end": 24},
+# Replies to the RECONNECT of "new" at prefix end 32: header fields, frames.
+MALFORMED_RECONNECT: dict[str, tuple[dict[str, Any], list[bytes]]] = {
+    "no restored_start": ({}, []),
+    "restored after the prefix end": ({"restored_start": 33}, []),
+    "negative restored_start": ({"restored_start": -1}, []),
+    "another prefix end": ({"restored_start": 16, "prefix_end": 24}, []),
+    "extra frame": ({"restored_start": 0}, [b"\x00" * 8]),
 }
 
 
 @pytest.mark.parametrize(
-    "fields", MALFORMED_RECONNECT.values(), ids=MALFORMED_RECONNECT.keys()
+    "fields, frames", MALFORMED_RECONNECT.values(), ids=MALFORMED_RECONNECT.keys()
 )
 def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(
-    plan, scripted_server, fields
+    plan, scripted_server, fields, frames
 ):
     plan.run(_step(["src"], count=40))
     scripted_server.handlers["RECONNECT"] = lambda h, f: [
@@ -260,7 +328,8 @@ def test_malformed_reconnect_reply_gives_no_draft_and_marks_stale(
                 server_id=SERVER_ID,
                 **{"prefix_end": h["prefix_end"], **fields},
             )
-        )
+        ),
+        *frames,
     ]
     result = plan.run(_step(["new"], first=32, count=4))
     assert (result.tokens == NO_DRAFT).all()
@@ -325,12 +394,14 @@ def test_request_id_the_protocol_cannot_carry_gets_no_draft(plan, scripted_serve
     assert long_id not in plan.retained
 
 
-def test_reconnect_needs_identical_tokens(plan, scripted_server):
+# The first and the last token of the prefix [0, 32).
+@pytest.mark.parametrize("position", [3, 31])
+def test_reconnect_needs_identical_tokens(plan, scripted_server, position):
     plan.run(_step(["src"], count=40))
     scripted_server.log.clear()
     step = _step(["new"], first=32, count=4)
     changed = step.requests[0].tokens.copy()
-    changed[3] += 1
+    changed[position] += 1
     step = StepInputs([StepRequest("new", 32, 4, 9, 0, changed)], K, step.rows)
     plan.run(step)
     assert scripted_server.ops() == ["PROPOSE"]
