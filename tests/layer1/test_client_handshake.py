@@ -87,6 +87,15 @@ def test_malformed_pong_is_a_protocol_error(client, scripted_server):
         client.handshake(NEEDS)
 
 
+def test_pong_with_extra_frames_is_a_protocol_error(client, scripted_server):
+    scripted_server.handlers["PING"] = lambda header, frames: [
+        *scripted_server.default(header, frames),
+        b"\x00" * 8,
+    ]
+    with pytest.raises(ProtocolError, match="frames"):
+        client.handshake(NEEDS)
+
+
 def test_requests_of_an_earlier_verifier_are_cleared(client, scripted_server):
     scripted_server.pong["active_requests"] = 3
     client.handshake(NEEDS)
