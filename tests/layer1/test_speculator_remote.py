@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,6 +174,16 @@ def test_data_parallelism_is_refused_at_init(
     assert scripted_server.ops() == []
 
 
+def test_prefill_context_parallelism_is_refused_at_init(
+    tmp_path, make_speculator, scripted_server
+):
+    config = make_vllm_config(tmp_path)
+    config.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(ValueError, match="prefill context parallelism"):
+        make_speculator(scripted_server.address, config=config)
+    assert scripted_server.ops() == []
+
+
 @pytest.mark.parametrize("dp_rank", [0, 1])
 def test_every_rank_of_a_dense_data_parallel_engine_is_refused_at_init(
     tmp_path, make_speculator, scripted_server, dp_rank
@@ -192,13 +203,34 @@ def test_every_rank_of_a_dense_data_parallel_engine_is_refused_at_init(
     assert scripted_server.ops() == []
 
 
-def test_prompt_embeds_keep_reconnects_within_a_request(
-    tmp_path, make_speculator, scripted_server
+def _enable_prompt_embeds(config: Any) -> None:
+    config.model_config.enable_prompt_embeds = True
+
+
+def _enable_lora(config: Any) -> None:
+    from vllm.config import LoRAConfig
+
+    config.lora_config = LoRAConfig()
+
+
+def _make_multimodal(config: Any) -> None:
+    from vllm.config import MultiModalConfig
+
+    config.model_config.multimodal_config = MultiModalConfig()
+
+
+@pytest.mark.parametrize(
+    "enable", [_enable_prompt_embeds, _enable_lora, _make_multimodal]
+)
+def test_inputs_beyond_token_ids_keep_reconnects_within_a_request(
+    tmp_path, make_speculator, scripted_server, enable
 ):
+    # Equal token ids need not mean equal hidden states once prompt
+    # embeddings, LoRA adapters or multimodal inputs feed the target.
     config = make_vllm_config(tmp_path)
     shared, _ = make_speculator(scripted_server.address, config=config)
     assert shared.plan.share_prefixes
-    config.model_config.enable_prompt_embeds = True
+    enable(config)
     speculator, _ = make_speculator(scripted_server.address, config=config)
     assert not speculator.plan.share_prefixes
 
