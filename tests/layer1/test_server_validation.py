@@ -125,7 +125,10 @@ def test_anchor_must_equal_the_committed_end_without_context(server):
 
 def test_context_after_the_committed_end_is_refused(server):
     propose(server, [entry("a", 20, 20, reset=True)])
-    assert "after its committed end" in error_of(propose(server, [entry("a", 30, 5)]))
+    # Rows from 21 would leave position 20 without KV.
+    reply = propose(server, [entry("a", 26, 5)])
+    assert "starts at 21, after its committed end 20" in error_of(reply)
+    assert state(server)["a"] == (0, 0, 20, 20)
 
 
 def test_rewind_overwrites_rejected_rows(server):
@@ -263,6 +266,15 @@ def test_anchor_beyond_the_model_length_is_refused(server):
 def test_context_above_max_context_tokens_is_refused(server):
     reply = propose(server, [entry("a", 300, 257, reset=True, reset_position=43)])
     assert "context_count" in error_of(reply)
+
+
+def test_batch_context_above_max_context_tokens_is_refused(server):
+    # Each entry is within the limit; together they hold one row too many.
+    reply = propose(
+        server, [entry("a", 200, 200, reset=True), entry("b", 57, 57, reset=True)]
+    )
+    assert "257 context rows exceed max_context_tokens 256" in error_of(reply)
+    assert state(server) == {}
 
 
 def test_non_contiguous_positions_are_refused(server):
@@ -481,6 +493,16 @@ def test_reconnect_leaves_the_source_unchanged(server):
     before = state(server)["src"]
     call(server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=80)
     assert state(server)["src"] == before and state(server)["dst"][1:] == (16, 80, 80)
+
+
+def test_reconnect_before_the_source_origin_is_refused(server):
+    propose(server, [entry("src", 150, 50, reset=True, reset_position=100)])
+    before = full_state(server)
+    reply = call(
+        server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=99
+    )
+    assert "outside the source's history [100, 150]" in error_of(reply)
+    assert full_state(server) == before
 
 
 def test_reconnect_of_an_uncovered_prefix_is_an_error(server):
