@@ -91,9 +91,11 @@ def test_dummy_and_profile_runs_do_not_reach_the_server(
     make_speculator, scripted_server, flag
 ):
     speculator, _ = make_speculator(scripted_server.address)
+    assert (_propose(speculator) == 5).all()
+    # No draft of the step before may survive into the dummy one.
     drafts = _propose(speculator, **{flag: True})
     assert drafts.shape == (2, K) and (drafts == -1).all()
-    assert scripted_server.ops() == ["PING"]
+    assert scripted_server.ops() == ["PING", "PROPOSE"]
 
 
 def test_zero_tokens_keeps_the_server_in_sync_without_drafts(
@@ -107,6 +109,7 @@ def test_zero_tokens_keeps_the_server_in_sync_without_drafts(
 
 def test_fewer_tokens_fill_the_rest_with_no_draft(make_speculator, scripted_server):
     speculator, _ = make_speculator(scripted_server.address)
+    assert (_propose(speculator) == 5).all()
     drafts = _propose(speculator, num_speculative_tokens=2)
     assert (drafts[:, :2] == 5).all() and (drafts[:, 2] == -1).all()
     assert scripted_server.log[-1][1]["num_speculative_tokens"] == 2
@@ -246,23 +249,24 @@ def test_unreachable_server_starts_without_drafts(make_speculator):
 def test_empty_draft_slots_are_hidden_from_the_embedding_until_sampling(
     make_speculator,
 ):
-    # A step after a failed-closed proposal: last sampled token, then K -1s.
+    # A step after a failed-closed proposal: last sampled token, then K -1s;
+    # then the real token 0, which must come back as itself.
     speculator, _ = make_speculator(
         f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=200
     )
     drafts = _propose(speculator)[0]
-    input_ids = torch.cat([torch.tensor([42]), drafts, torch.tensor([7, 8])])
+    input_ids = torch.cat([torch.tensor([42]), drafts, torch.tensor([0, 8])])
     embedding = torch.randn(64, 4)
     with pytest.raises(IndexError):
         torch.nn.functional.embedding(input_ids, embedding)
     ids = NoDraftIds()
     ids.hide(input_ids)
     torch.nn.functional.embedding(input_ids, embedding)
-    assert input_ids.tolist() == [42, 0, 0, 0, 7, 8]
+    assert input_ids.tolist() == [42, 0, 0, 0, 0, 8]
     ids.show()
-    assert input_ids.tolist() == [42, -1, -1, -1, 7, 8]
+    assert input_ids.tolist() == [42, -1, -1, -1, 0, 8]
     ids.show()
-    assert input_ids.tolist() == [42, -1, -1, -1, 7, 8]
+    assert input_ids.tolist() == [42, -1, -1, -1, 0, 8]
 
 
 def test_request_state_exposes_the_host_token_table(monkeypatch):
