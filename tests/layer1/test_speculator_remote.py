@@ -167,22 +167,20 @@ def test_watermarking_is_refused_at_init(tmp_path, make_speculator, scripted_ser
         make_speculator(scripted_server.address, config=config)
 
 
-def test_data_parallelism_is_refused_at_init(
-    tmp_path, make_speculator, scripted_server
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        ("data_parallel_size", "data_parallel_size=2 is not supported"),
+        ("prefill_context_parallel_size", "prefill context parallelism"),
+    ],
+    ids=["data", "prefill-context"],
+)
+def test_parallelism_a_remote_draft_cannot_serve_is_refused_at_init(
+    tmp_path, make_speculator, scripted_server, setting, match
 ):
     config = make_vllm_config(tmp_path)
-    config.parallel_config.data_parallel_size = 2
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
-        make_speculator(scripted_server.address, config=config)
-    assert scripted_server.ops() == []
-
-
-def test_prefill_context_parallelism_is_refused_at_init(
-    tmp_path, make_speculator, scripted_server
-):
-    config = make_vllm_config(tmp_path)
-    config.parallel_config.prefill_context_parallel_size = 2
-    with pytest.raises(ValueError, match="prefill context parallelism"):
+    setattr(config.parallel_config, setting, 2)
+    with pytest.raises(ValueError, match=match):
         make_speculator(scripted_server.address, config=config)
     assert scripted_server.ops() == []
 
