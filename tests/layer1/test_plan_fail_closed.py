@@ -16,6 +16,7 @@ import pytest
 import torch
 from k3_layer1_server import free_tcp_port
 
+from vllm.k3_draft import plan as plan_module
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient, ServerRequirements
 from vllm.k3_draft.plan import (
@@ -54,11 +55,15 @@ def fresh_plan(scripted_server):
 
 
 @pytest.fixture
-def plan(fresh_plan):
+def plan(scripted_server):
     """A plan online from its first step (its first step would otherwise
-    wait only 20 ms for the PONG: offline on a loaded machine)."""
-    fresh_plan.connect()
-    return fresh_plan
+    wait only 20 ms for the PONG: offline on a loaded machine), logging the
+    timings of every proposal."""
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    plan = RemotePlan(client, NEEDS, timing_log_interval=1, retry_interval_s=0.0)
+    plan.connect()
+    yield plan
+    client.close()
 
 
 def _step(ids: list[str], first: int = 0, count: int = 4) -> StepInputs:
@@ -101,6 +106,7 @@ MALFORMED = {
     "bool id": _reply(tokens=[[1, 2, 3], [4, True, 6]]),
     "float id": _reply(tokens=[[1, 2, 3], [4, 5.0, 6]]),
     "no timings": _reply(timing_ms=None),
+    "timings lack a field": _reply(timing_ms={}),
     "extra frame": [*_reply(), b"\x00" * 8],
 }
 
@@ -522,6 +528,27 @@ def test_a_server_holding_only_the_plans_requests_is_not_cleared(plan, scripted_
     assert list(plan.retained) == ["b"]
 
 
+def test_a_refused_clear_leaves_every_retained_request_stale(plan, scripted_server):
+    plan.run(_step(["a", "b"]))
+    scripted_server.handlers["PROPOSE"] = lambda h, f: MALFORMED["error reply"]
+    plan.run(_step(["a"], first=4))
+    del scripted_server.handlers["PROPOSE"]
+    # The FREE of the stale a finds more requests than b: CLEAR, refused.
+    scripted_server.handlers["FREE"] = _free_reply(2)
+    scripted_server.handlers["CLEAR"] = lambda h, f: MALFORMED["error reply"]
+    plan.connect()
+    plan.run(_step(["a"], first=4))
+    assert scripted_server.ops()[-2:] == ["FREE", "CLEAR"]
+    assert list(plan.retained) == ["b"] and plan.retained["b"].stale
+    del scripted_server.handlers["FREE"], scripted_server.handlers["CLEAR"]
+    plan.connect()
+    scripted_server.log.clear()
+    assert (plan.run(_step(["b"], first=4)).tokens == 5).all()
+    assert scripted_server.ops() == ["FREE", "PROPOSE"]
+    free, propose = (header for _, header in scripted_server.log)
+    assert free["request_ids"] == ["b"] and propose["requests"][0]["reset"]
+
+
 def _failing_propose(header, frames):
     error = protocol.error_reply(RuntimeError("sticky fault"), SERVER_ID)
     return [protocol.encode_header(error)]
@@ -577,3 +604,50 @@ def test_a_successful_propose_forgives_earlier_error_replies(
     # One failure since the success: retried on the very next step.
     plan.run(_step(["a"]))
     assert scripted_server.ops().count("PROPOSE") == proposes + 1
+
+
+class _Clock:
+    """``plan``'s ``time``, its monotonic clock set by the test."""
+
+    perf_counter = staticmethod(time.perf_counter)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("max_retry_interval_s", "pings"),
+    [(60.0, [0, 2, 5, 10, 19]), (4.0, [0, 2, 5, 10, 15, 20])],
+)
+def test_retries_of_an_unreachable_server_back_off_doubling_to_the_maximum(
+    monkeypatch, max_retry_interval_s, pings
+):
+    """Each PING goes unanswered for the 1 s timeout; the next is due 1 s
+    after the first failure, then twice as long after each (capped)."""
+    clock = _Clock()
+    monkeypatch.setattr(plan_module, "time", clock)
+    client = DraftClient(f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=1000)
+    plan = RemotePlan(
+        client,
+        NEEDS,
+        retry_interval_s=1.0,
+        max_retry_interval_s=max_retry_interval_s,
+    )
+    sent: list[float] = []
+    start_handshake = client.start_handshake
+
+    def record_ping() -> None:
+        sent.append(clock.now)
+        start_handshake()
+
+    monkeypatch.setattr(client, "start_handshake", record_ping)
+    try:
+        for tick in range(81):
+            clock.now = tick / 4
+            assert (plan.run(_step(["a"])).tokens == -1).all()
+    finally:
+        client.close()
+    assert sent == pings

@@ -177,6 +177,14 @@ def test_memory_plan_counts_kv_of_every_block():
     assert engine.memory_plan().kv_bytes == 2 * 2 * blocks * 16 * 64 * 4
 
 
+def test_memory_plan_counts_the_bytes_load_allocates():
+    engine = make_engine()
+    plan = engine.memory_plan()
+    assert plan.kv_bytes == engine.kv.nbytes
+    assert plan.prefix_cache_bytes == engine.cache.rows.nbytes
+    assert plan.weight_bytes == sum(w.nbytes for w in engine.w.values())
+
+
 def test_plan_context_keeps_only_rows_the_cache_can_hold():
     context = batch([1], [0], [100], [100], rows(100, 11))
     plan = plan_context(context, reach=48, budget=64)

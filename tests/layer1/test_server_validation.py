@@ -228,6 +228,25 @@ def test_an_engine_failure_drops_the_requests_of_its_batch(server, monkeypatch):
     assert server.allocator.num_free == LIMITS.max_requests - 1
 
 
+def test_request_ids_of_up_to_512_characters_are_served(server):
+    longest = "x" * protocol.MAX_REQUEST_ID_CHARS
+    assert len(propose(server, [entry(longest, 2, 2, reset=True)])["tokens"]) == 1
+    assert call(server, "FREE", request_ids=[longest])["active_requests"] == 0
+
+
+@pytest.mark.parametrize("op", ["PROPOSE", "FREE"])
+def test_a_request_id_of_513_characters_is_refused(server, op):
+    too_long = "x" * (protocol.MAX_REQUEST_ID_CHARS + 1)
+    propose(server, [entry("a", 2, 2, reset=True)])
+    before = full_state(server)
+    if op == "PROPOSE":
+        reply = propose(server, [entry(too_long, 2, 2, reset=True)])
+    else:
+        reply = call(server, "FREE", request_ids=["a", too_long])
+    assert "at most 512 characters" in error_of(reply)
+    assert full_state(server) == before
+
+
 def test_more_new_requests_than_free_slots_are_refused(server):
     propose(server, [entry(f"r{i}", 2, 2, reset=True) for i in range(3)])
     reply = propose(
@@ -512,6 +531,30 @@ def test_reconnect_of_an_uncovered_prefix_is_an_error(server):
         server, "RECONNECT", source_request_id="src", request_id="d", prefix_end=150
     )
     assert "not covered" in error_of(reply) and "d" not in server.requests
+
+
+@pytest.mark.parametrize("target", ["new", "existing"])
+def test_a_failed_restore_drops_the_target_and_frees_its_slot(
+    server, monkeypatch, target
+):
+    propose(server, [entry("src", 100, 100, reset=True)])
+    if target == "existing":
+        propose(server, [entry("dst", 40, 40, reset=True)])
+    free_before = server.allocator.num_free + (target == "existing")
+
+    def fault(*args):
+        raise RuntimeError("copy fault")
+
+    monkeypatch.setattr(server.engine, "restore", fault)
+    reply = call(
+        server, "RECONNECT", source_request_id="src", request_id="dst", prefix_end=100
+    )
+    # The target's K/V may be half written: it is gone, so only a reset
+    # brings it back, and the source is untouched.
+    assert "copy fault" in error_of(reply)
+    assert list(state(server)) == ["src"]
+    assert server.allocator.num_free == free_before
+    assert "unknown request" in error_of(propose(server, [entry("dst", 100)]))
 
 
 def test_reconnect_carrying_a_frame_counts_as_a_reconnect_failure(server):
