@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-from k3l4_specs import GQA, WINDOW, full, mla, sliding
+from k3l4_specs import DTYPE, GQA, WINDOW, full, mla, sliding
 
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core.k3_dcp_grouping import sharded_layers_first
@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheLayout,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
     iter_layer_specs,
 )
@@ -113,6 +114,30 @@ def test_replicated_ring_stays_with_the_target(
     reordered = sharded_layers_first(specs, make_config(dcp=4))
     assert list(reordered) == ["target.ring", "target.0", "draft.0"]
     assert list(sharded_layers_first(specs, make_config(dcp=1))) == list(specs)
+
+
+def test_each_part_keeps_its_layer_order(make_config: Callable[..., Any]) -> None:
+    """Only the replicated layers move: the target's layers and the draft's
+    keep the order they were listed in."""
+    specs = {
+        "draft.1": full(sharded=False),
+        "target.1": mla(),
+        "draft.0": full(sharded=False),
+        "target.0": mla(),
+    }
+    reordered = sharded_layers_first(specs, make_config(dcp=4))
+    assert list(reordered) == ["target.1", "target.0", "draft.1", "draft.0"]
+
+
+def test_mamba_state_stays_with_the_target(
+    make_config: Callable[..., Any],
+) -> None:
+    """Mamba state is never DCP-sharded and takes a slot mapping, yet it is
+    the target's state, not a replicated draft cache."""
+    mamba = MambaSpec(block_size=16, shapes=((2, 8),), dtypes=(DTYPE,))
+    specs = {"draft.0": full(sharded=False), "target.mamba": mamba, "target.0": mla()}
+    reordered = sharded_layers_first(specs, make_config(dcp=4))
+    assert list(reordered) == ["target.mamba", "target.0", "draft.0"]
 
 
 def test_mixed_page_sizes_need_a_block_outer_layout(
