@@ -116,16 +116,19 @@ def test_replicated_ring_stays_with_the_target(
     assert list(sharded_layers_first(specs, make_config(dcp=1))) == list(specs)
 
 
-def test_each_part_keeps_its_layer_order(make_config: Callable[..., Any]) -> None:
-    """Only the replicated layers move: the target's layers and the draft's
-    keep the order they were listed in."""
+@pytest.mark.parametrize("dcp", [2, 4, 8])
+def test_each_part_keeps_its_layer_order(
+    make_config: Callable[..., Any], dcp: int
+) -> None:
+    """Under any DCP size only the replicated layers move: the target's layers
+    and the draft's keep the order they were listed in."""
     specs = {
         "draft.1": full(sharded=False),
         "target.1": mla(),
         "draft.0": full(sharded=False),
         "target.0": mla(),
     }
-    reordered = sharded_layers_first(specs, make_config(dcp=4))
+    reordered = sharded_layers_first(specs, make_config(dcp=dcp))
     assert list(reordered) == ["target.1", "target.0", "draft.1", "draft.0"]
 
 
