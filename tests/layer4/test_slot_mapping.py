@@ -212,21 +212,22 @@ def test_block_tables_gather_nulls_stale_replicated_blocks_under_cp(
     assert sharded.tolist() == [[11, 12, 13, 14]]
 
 
-def test_sliding_window_masking_is_kept_for_replicated_groups_under_cp() -> None:
-    assert sliding_window_reach_under_cp([0, 127, 127], [True, True, False], 4) == [
-        0,
-        0,
-        127,
-    ]
+@pytest.mark.parametrize("cp_size", [2, 4, 8])
+def test_sliding_window_masking_is_kept_for_replicated_groups_under_cp(
+    cp_size: int,
+) -> None:
+    reach = sliding_window_reach_under_cp([0, 127, 127], [True, True, False], cp_size)
+    assert reach == [0, 0, 127]
 
 
 def test_sliding_window_masking_is_unchanged_without_cp() -> None:
     assert sliding_window_reach_under_cp([0, 127], [True, True], 1) == [0, 127]
 
 
-def test_sliding_window_reach_needs_one_entry_per_group() -> None:
+@pytest.mark.parametrize("cp_size", [1, 4])
+def test_sliding_window_reach_needs_one_entry_per_group(cp_size: int) -> None:
     with pytest.raises(ValueError, match="one entry per KV cache group"):
-        sliding_window_reach_under_cp([127], [True, False], 4)
+        sliding_window_reach_under_cp([127], [True, False], cp_size)
 
 
 def test_block_tables_import_where_triton_is_not_installed() -> None:
