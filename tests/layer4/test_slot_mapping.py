@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from k3l4_slots import PAD, kernel_path, random_case, run_kernel
+from k3l4_slots import PAD, Case, kernel_path, random_case, run_kernel
 from k3l4_slots import spec_example as example
 
 from vllm.v1.worker.gpu import block_table
@@ -145,28 +145,9 @@ def test_block_tables_map_slots_with_their_cp_geometry(
 ) -> None:
     """The real ``BlockTables.compute_slot_mappings`` on the spec example (CP
     size 4, rank 2) hands the kernel its rank, size and interleave in order."""
-    from vllm.v1.worker.gpu import buffer_utils
-
-    use_host_memory_for_uva(monkeypatch, buffer_utils)
-    monkeypatch.setattr(
-        block_table, "compute_slot_mappings", interpreted_kernels.compute_slot_mappings
-    )
     case = example()
     case.interleave = interleave
-    tables = block_table.BlockTables(
-        block_sizes=[g.block_size for g in case.groups],
-        max_num_reqs=1,
-        max_num_batched_tokens=case.max_num_tokens,
-        max_num_blocks_per_group=[2, 2],
-        device=torch.device("cpu"),
-        cp_size=case.cp_size,
-        cp_rank=case.cp_rank,
-        cp_interleave=interleave,
-        dcp_sharded=[g.cp_size > 1 for g in case.groups],
-    )
-    # The rows the kernel reads (the staged-write kernel needs a GPU).
-    for table, group in zip(tables.block_tables, case.groups):
-        table.gpu[0] = torch.tensor(group.rows[0], dtype=torch.int32)
+    tables = spec_block_tables(interpreted_kernels, monkeypatch, case)
     slots = tables.compute_slot_mappings(
         torch.tensor(case.idx_mapping, dtype=torch.int32),
         torch.tensor([0, len(case.positions)], dtype=torch.int32),
@@ -176,6 +157,58 @@ def test_block_tables_map_slots_with_their_cp_geometry(
     assert slots.tolist() == case.expected()
     assert slots[0, :8].tolist() == sharded
     assert slots[1, :8].tolist() == SPEC_REPLICATED
+
+
+def test_block_tables_write_slot_mappings_into_the_given_buffer(
+    interpreted_kernels: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``out`` (the PCP manager's global-batch buffer) the real
+    ``BlockTables.compute_slot_mappings`` writes the slots there and returns a
+    view of it; the tables' own buffer is left as it was."""
+    case = example()
+    tables = spec_block_tables(interpreted_kernels, monkeypatch, case)
+    own = tables.slot_mappings.clone()
+    out = torch.full_like(tables.slot_mappings, 12345)
+    slots = tables.compute_slot_mappings(
+        torch.tensor(case.idx_mapping, dtype=torch.int32),
+        torch.tensor([0, len(case.positions)], dtype=torch.int32),
+        torch.tensor(case.positions, dtype=torch.int64),
+        case.max_num_tokens,
+        out=out,
+    )
+    assert slots.data_ptr() == out.data_ptr()
+    assert out.tolist() == case.expected()
+    assert torch.equal(tables.slot_mappings, own)
+
+
+def spec_block_tables(
+    interpreted_kernels: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    case: Case,
+) -> block_table.BlockTables:
+    """The real ``BlockTables`` of a one-request ``case``, its rows written,
+    launching the interpreted kernel."""
+    from vllm.v1.worker.gpu import buffer_utils
+
+    use_host_memory_for_uva(monkeypatch, buffer_utils)
+    monkeypatch.setattr(
+        block_table, "compute_slot_mappings", interpreted_kernels.compute_slot_mappings
+    )
+    tables = block_table.BlockTables(
+        block_sizes=[g.block_size for g in case.groups],
+        max_num_reqs=1,
+        max_num_batched_tokens=case.max_num_tokens,
+        max_num_blocks_per_group=[2, 2],
+        device=torch.device("cpu"),
+        cp_size=case.cp_size,
+        cp_rank=case.cp_rank,
+        cp_interleave=case.interleave,
+        dcp_sharded=[g.cp_size > 1 for g in case.groups],
+    )
+    # The rows the kernel reads (the staged-write kernel needs a GPU).
+    for table, group in zip(tables.block_tables, case.groups):
+        table.gpu[0] = torch.tensor(group.rows[0], dtype=torch.int32)
+    return tables
 
 
 def test_block_tables_gather_nulls_stale_replicated_blocks_under_cp(
