@@ -180,9 +180,15 @@ def random_case(seed: int, max_query_len: int = 40) -> Case:
     )
 
 
-def run_kernel(module: types.ModuleType, case: Case, device: str) -> list[list[int]]:
+def run_kernel(
+    module: types.ModuleType,
+    case: Case,
+    device: str,
+    out: torch.Tensor | None = None,
+) -> list[list[int]]:
     """Slot mappings from the real kernel, launched through the module's
-    ``compute_slot_mappings`` exactly as ``BlockTables`` launches it."""
+    ``compute_slot_mappings`` exactly as ``BlockTables`` launches it, into
+    ``out`` (``[num_groups, max_num_tokens]``) or a fresh tensor."""
     tables = []
     for group in case.groups:
         width = max(len(row) for row in group.rows)
@@ -193,9 +199,13 @@ def run_kernel(module: types.ModuleType, case: Case, device: str) -> list[list[i
     query_start_loc = [0]
     for query_len in case.query_lens:
         query_start_loc.append(query_start_loc[-1] + query_len)
-    out = torch.full(
-        (len(case.groups), case.max_num_tokens), 12345, dtype=torch.int64, device=device
-    )
+    if out is None:
+        out = torch.full(
+            (len(case.groups), case.max_num_tokens),
+            12345,
+            dtype=torch.int64,
+            device=device,
+        )
     module.compute_slot_mappings(
         out,
         torch.tensor(case.idx_mapping, dtype=torch.int32, device=device),

@@ -59,6 +59,24 @@ def test_kernel_matches_the_reference_on_long_prefills(
     assert run_kernel(interpreted_kernels, case, "cpu") == case.expected()
 
 
+@pytest.mark.parametrize("padding_columns", [0, 5])
+def test_kernel_writes_nothing_past_the_end_of_a_row(
+    interpreted_kernels: types.ModuleType, padding_columns: int
+) -> None:
+    """The slot mappings may be a view whose rows are shorter than their
+    stride: the kernel writes up to the row's end and not one column further,
+    whether the batch's tokens fill the row (0 padding columns) or the
+    padding does (5)."""
+    case = example()
+    case.max_num_tokens = len(case.positions) + padding_columns
+    buffer = torch.full((2, case.max_num_tokens + 1), 12345, dtype=torch.int64)
+    slots = run_kernel(
+        interpreted_kernels, case, "cpu", out=buffer[:, : case.max_num_tokens]
+    )
+    assert slots == case.expected()
+    assert buffer[:, -1].tolist() == [12345, 12345]
+
+
 def test_every_rank_maps_every_replicated_token_and_one_rank_each_sharded_token(
     interpreted_kernels: types.ModuleType,
 ) -> None:
