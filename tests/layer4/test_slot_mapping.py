@@ -263,6 +263,37 @@ def test_block_tables_gather_nulls_stale_replicated_blocks_under_cp(
     assert sharded.tolist() == [[11, 12, 13, 14]]
 
 
+@pytest.mark.parametrize("cp_size", [1, 4])
+def test_block_tables_without_a_reach_gather_whole_rows(
+    interpreted_block_table: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    cp_size: int,
+) -> None:
+    """``BlockTables`` built without ``sliding_window_reach`` (every group full
+    attention) gathers each row whole, with or without CP, even when given
+    the computed tokens."""
+    buffers = sys.modules[interpreted_block_table.UvaBackedTensor.__module__]
+    use_host_memory_for_uva(monkeypatch, buffers)
+    tables = interpreted_block_table.BlockTables(
+        block_sizes=[16],
+        max_num_reqs=1,
+        max_num_batched_tokens=8,
+        max_num_blocks_per_group=[4],
+        device=torch.device("cpu"),
+        cp_size=cp_size,
+        dcp_sharded=[False],
+    )
+    tables.block_tables[0].gpu[0] = torch.tensor([11, 12, 13, 14], dtype=torch.int32)
+    tables.num_blocks.np[:, 0] = 4
+    tables.num_blocks.copy_to_uva()
+    (row,) = tables.gather_block_tables(
+        torch.tensor([0], dtype=torch.int32),
+        num_reqs_padded=1,
+        num_computed_tokens=torch.tensor([48], dtype=torch.int32),
+    )
+    assert row.tolist() == [[11, 12, 13, 14]]
+
+
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
 def test_sliding_window_masking_is_kept_for_replicated_groups_under_cp(
     cp_size: int,
