@@ -13,7 +13,7 @@ from conftest import UPSTREAM_FILES, Synthetic, make_sdist
 
 from k3stack import StackError
 from k3stack.gitutil import git
-from k3stack.patchfile import HunkMismatch, apply_exact, parse_diff
+from k3stack.patchfile import FilePatch, HunkMismatch, apply_exact, parse_diff
 from k3stack.refresh import refresh
 from k3stack.worktree import current_marker, write_marker
 
@@ -708,3 +708,42 @@ def test_refresh_quotes_file_names_whatever_the_tree_s_quote_path_setting(
     refresh(filled.stack(), filled.tree, today=dt.date(2026, 11, 3))
     patch = (filled.root / "patches" / "0001-layer-1.patch").read_bytes()
     assert b'diff --git "a/vllm/na\\303\\257ve.py" "b/vllm/na\\303\\257ve.py"' in patch
+
+
+def one_file(hunks: bytes) -> FilePatch:
+    (fp,) = parse_diff(b"diff --git a/f b/f\n--- a/f\n+++ b/f\n" + hunks, "test")
+    return fp
+
+
+TWELVE = b"".join(b"%d\n" % i for i in range(1, 13))
+
+
+def test_a_later_hunk_is_placed_by_the_lines_earlier_hunks_added() -> None:
+    patch = one_file(
+        b"@@ -1,6 +1,7 @@\n 1\n 2\n 3\n+x\n 4\n 5\n 6\n"
+        b"@@ -9,3 +10,3 @@\n 9\n-10\n+ten\n 11\n"
+    )
+    expected = TWELVE.replace(b"3\n", b"3\nx\n", 1).replace(b"10\n", b"ten\n")
+    assert apply_exact(TWELVE, patch) == expected
+
+
+def test_hunks_that_overlap_are_refused() -> None:
+    patch = one_file(
+        b"@@ -1,3 +1,3 @@\n 1\n-2\n+two\n 3\n@@ -2,3 +2,3 @@\n 2\n-3\n+three\n 4\n"
+    )
+    with pytest.raises(HunkMismatch, match="hunk 2 .*out of range"):
+        apply_exact(TWELVE, patch)
+
+
+def test_a_context_line_that_differs_only_in_trailing_blanks_does_not_match() -> None:
+    patch = one_file(b"@@ -1,3 +1,3 @@\n 1\n-2\n+two\n 3\n")
+    with pytest.raises(HunkMismatch, match="line 1 does not match exactly"):
+        apply_exact(TWELVE.replace(b"1\n", b"1 \n", 1), patch)
+
+
+def test_a_change_to_a_last_line_without_newline_keeps_it_without() -> None:
+    patch = one_file(
+        b"@@ -1,2 +1,2 @@\n A = 1\n-B = 2\n\\ No newline at end of file\n"
+        b"+B = 3\n\\ No newline at end of file\n"
+    )
+    assert apply_exact(b"A = 1\nB = 2", patch) == b"A = 1\nB = 3"
