@@ -747,3 +747,96 @@ def test_a_change_to_a_last_line_without_newline_keeps_it_without() -> None:
         b"+B = 3\n\\ No newline at end of file\n"
     )
     assert apply_exact(b"A = 1\nB = 2", patch) == b"A = 1\nB = 3"
+
+
+def commit_refresh(syn: Synthetic, message: str) -> None:
+    """Take the tree's layers back into the checkout and commit them."""
+    refresh(syn.stack(), syn.tree, today=dt.date(2026, 11, 3))
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", message)
+
+
+def test_a_layer_that_deletes_an_upstream_file_applies_as_that_deletion(
+    filled: Synthetic,
+) -> None:
+    filled.amend(3, {}, delete=("vllm/model.py",))
+    commit_refresh(filled, "layer 3 deletes model.py")
+    filled.apply()
+    assert not (filled.tree / "vllm/model.py").exists()
+    assert git(filled.tree, "ls-tree", "layer-3", "vllm/model.py") == ""
+
+
+def test_apply_upto_0_lays_out_pristine_upstream_only(filled: Synthetic) -> None:
+    filled.apply(upto=0)
+    assert git(filled.tree, "log", "--format=%s") == "vllm 1.0 pristine"
+
+
+def test_apply_refuses_an_overlay_file_that_upstream_has(synthetic: Synthetic) -> None:
+    patch = synthetic.root / "patches/0002-layer-2.patch"
+    patch.write_text(
+        patch.read_text().replace("Overlay:\n", "Overlay:\n vllm/envs.py\n")
+    )
+    (synthetic.root / "overlay/vllm/envs.py").write_text("MINE = 1\n")
+    with pytest.raises(StackError) as info:
+        synthetic.apply()
+    assert str(info.value) == (
+        "layer 2 (0002-layer-2.patch): overlay file vllm/envs.py exists upstream; "
+        "changes to upstream files belong in the diff"
+    )
+
+
+def test_a_layer_changing_a_file_upstream_lacks_names_layer_and_file(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    files = {k: v for k, v in UPSTREAM_FILES.items() if k != "vllm/model.py"}
+    with pytest.raises(StackError) as info:
+        filled.apply(sdist=make_sdist(tmp_path / "lacks.tar.gz", files))
+    assert str(info.value) == (
+        "layer 2 (0002-layer-2.patch) does not apply: vllm/model.py does not "
+        "exist upstream"
+    )
+
+
+def test_apply_refuses_a_folder_with_files_that_is_no_work_tree_and_keeps_it(
+    filled: Synthetic,
+) -> None:
+    filled.tree = filled.tree.parent / "notes"
+    (filled.tree / "todo.txt").parent.mkdir()
+    (filled.tree / "todo.txt").write_text("mine\n")
+    with pytest.raises(StackError, match="exists and is not a stack work tree"):
+        filled.apply()
+    assert (filled.tree / "todo.txt").read_text() == "mine\n"
+
+
+def test_apply_from_a_checkout_at_another_commit_is_refused(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack.cli import do_apply
+
+    checkout = tmp_path / "upstream"
+    for rel, text in UPSTREAM_FILES.items():
+        (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / rel).write_text(text)
+    git(checkout, "init", "-q")
+    git(checkout, "add", "-A", "--force")
+    git(checkout, "commit", "-q", "-m", "upstream")
+    head = git(checkout, "rev-parse", "HEAD")
+    assert not head.startswith(synthetic.pin.commit)
+    message = f"is at {head[:12]}, not the pinned upstream commit abc1234"
+    with pytest.raises(StackError, match=message):
+        do_apply(synthetic.stack(), synthetic.pin, synthetic.tree, None, checkout)
+
+
+def test_an_sdist_with_two_top_level_folders_is_refused(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    from k3stack.upstream import extract_sdist
+
+    sdist = tmp_path / "two.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name in ("vllm-1.0/pyproject.toml", "extra/notes.txt"):
+            tar.addfile(tarfile.TarInfo(name), io.BytesIO(b""))
+    with pytest.raises(StackError, match="two.tar.gz: expected one top-level folder"):
+        extract_sdist(sdist, tmp_path / "out")
+    assert not list((tmp_path / "out").iterdir())
