@@ -840,3 +840,86 @@ def test_an_sdist_with_two_top_level_folders_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StackError, match="two.tar.gz: expected one top-level folder"):
         extract_sdist(sdist, tmp_path / "out")
     assert not list((tmp_path / "out").iterdir())
+
+
+def test_refresh_and_apply_keep_a_description_paragraph_break(
+    filled: Synthetic,
+) -> None:
+    patch = filled.root / "patches/0001-layer-1.patch"
+    text = patch.read_text().replace(
+        "Description: Layer 1.\n", "Description: Layer 1.\n .\n More detail.\n"
+    )
+    patch.write_text(text)
+    filled.apply()
+    assert refresh(filled.stack(), filled.tree) == []
+    assert patch.read_text() == text
+
+
+def test_refresh_refuses_a_merge_commit_on_top_of_upstream(filled: Synthetic) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    git(filled.tree, "checkout", "-q", "-b", "side", "layer-2")
+    (filled.tree / "vllm/logits.py").write_text("TOPK = 8\n")
+    git(filled.tree, "commit", "-qam", "side")
+    git(filled.tree, "checkout", "-q", "main")
+    git(filled.tree, "merge", "-q", "--no-ff", "--no-edit", "side")
+    git(filled.tree, "branch", "-q", "-D", "side")
+    with pytest.raises(StackError, match="merge commits on top of upstream"):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before
+
+
+def test_refresh_dates_a_change_to_the_diff_alone_today(filled: Synthetic) -> None:
+    filled.apply()
+    envs = UPSTREAM_FILES["vllm/envs.py"].replace("SETTING_5 = 5\n", "SETTING_5 = 55\n")
+    filled.amend(
+        1, {"vllm/envs.py": envs.replace("SETTING_9 = 9\n", "SETTING_9 = 99\n")}
+    )
+    changed = refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 1))
+    assert changed == ["patches/0001-layer-1.patch: updated"]
+    patch = (filled.root / "patches/0001-layer-1.patch").read_text()
+    assert "Last-Update: 2026-12-01\n" in patch
+
+
+def test_refresh_removes_an_overlay_file_its_layer_deleted(filled: Synthetic) -> None:
+    filled.apply()
+    filled.amend(2, {}, delete=("vllm/logits.py",))
+    changed = refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 1))
+    assert "overlay/vllm/logits.py: removed" in changed
+    assert not (filled.root / "overlay/vllm/logits.py").exists()
+    assert filled.stack().layer(2).patch.overlay == []
+
+
+def test_a_second_refresh_before_the_first_is_committed_changes_nothing(
+    filled: Synthetic,
+) -> None:
+    # The first refresh dates layer 2 today; the tree's commit keeps its date.
+    filled.apply()
+    filled.amend(2, {"vllm/logits.py": "TOPK = 16\n"})
+    refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 1))
+    before = snapshot(filled)
+    assert refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 2)) == []
+    assert snapshot(filled) == before
+
+
+def test_refresh_after_apply_keeps_an_overlay_list_written_out_of_order(
+    synthetic: Synthetic,
+) -> None:
+    patch = synthetic.root / "patches/0001-layer-1.patch"
+    text = patch.read_text().replace("Overlay:\n", "Overlay:\n vllm/b.py\n vllm/a.py\n")
+    patch.write_text(text)
+    for name in ("a", "b"):
+        (synthetic.root / f"overlay/vllm/{name}.py").write_text(f"{name.upper()} = 1\n")
+    synthetic.apply()
+    assert refresh(synthetic.stack(), synthetic.tree) == []
+    assert patch.read_text() == text
+
+
+def test_refresh_names_only_the_overlay_files_that_changed(filled: Synthetic) -> None:
+    filled.apply()
+    filled.amend(1, {"vllm/remote/client.py": "TIMEOUT = 5\n"})
+    changed = refresh(filled.stack(), filled.tree, today=dt.date(2026, 12, 1))
+    assert changed == [
+        "overlay/vllm/remote/client.py: added",
+        "patches/0001-layer-1.patch: updated",
+    ]
