@@ -923,3 +923,38 @@ def test_refresh_names_only_the_overlay_files_that_changed(filled: Synthetic) ->
         "overlay/vllm/remote/client.py: added",
         "patches/0001-layer-1.patch: updated",
     ]
+
+
+def test_validate_refuses_a_suite_path_that_does_not_exist_with_exit_1(
+    synthetic: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from k3stack import cli
+
+    monkeypatch.setattr(cli, "ROOT", synthetic.root)
+    assert cli.main(["validate"]) == 1
+    assert capsys.readouterr().err == (
+        "error: 0001-layer-1.patch: Suite path tests/layer1 does not exist\n"
+    )
+
+
+def test_build_refuses_a_tree_with_uncommitted_edits_before_fetching(
+    filled: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    from k3stack import cli
+
+    def no_fetch(*args: object) -> None:
+        raise AssertionError("fetched")
+
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    monkeypatch.setattr(cli, "load_pin", lambda: filled.pin)
+    monkeypatch.setattr(cli, "fetch", no_fetch)
+    (filled.tree / "vllm/envs.py").write_text("edited\n")
+    argv = ["build", "--tree", str(filled.tree), "--dist", str(tmp_path / "dist")]
+    assert cli.main(argv) == 1
+    assert "has uncommitted edits" in capsys.readouterr().err
+    assert (filled.tree / "vllm/envs.py").read_text() == "edited\n"
