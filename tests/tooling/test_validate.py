@@ -206,3 +206,54 @@ def test_a_diff_header_with_odd_file_names_is_refused_in_one_line(
         StackError, match=f"0001-layer-1.patch: diff line 1 .*{message}"
     ):
         parse_diff(diff, "0001-layer-1.patch")
+
+
+def test_a_series_entry_listed_twice_is_refused(synthetic: Synthetic) -> None:
+    series = synthetic.root / "patches" / "series"
+    series.write_text(series.read_text() + "0002-layer-2.patch\n")
+    with pytest.raises(StackError, match="lists 0002-layer-2.patch twice"):
+        load_stack(synthetic.root)
+
+
+def test_an_overlay_path_outside_vllm_is_refused(synthetic: Synthetic) -> None:
+    claim(synthetic, 1, "extra/tool.py")
+    (synthetic.root / "overlay" / "extra").mkdir()
+    (synthetic.root / "overlay" / "extra" / "tool.py").write_text("")
+    with pytest.raises(StackError, match="overlay path extra/tool.py is not under"):
+        load_stack(synthetic.root)
+
+
+def test_a_bytecode_cache_in_overlay_is_no_unclaimed_file(filled: Synthetic) -> None:
+    cache = filled.root / "overlay/vllm/__pycache__/logits.cpython-311.pyc"
+    cache.parent.mkdir()
+    cache.write_bytes(b"bytecode")
+    assert len(load_stack(filled.root).layers) == 3
+
+
+def test_a_header_field_given_twice_is_refused(synthetic: Synthetic) -> None:
+    patch = synthetic.root / "patches" / "0001-layer-1.patch"
+    text = patch.read_text()
+    patch.write_text(text.replace("Origin: vendor\n", "Origin: vendor\nOrigin: up\n"))
+    with pytest.raises(StackError, match="field Origin appears twice"):
+        load_stack(synthetic.root)
+
+
+def test_a_new_file_in_a_diff_is_refused_as_belonging_in_overlay() -> None:
+    diff = (
+        b"diff --git a/vllm/new.py b/vllm/new.py\nnew file mode 100644\n"
+        b"--- /dev/null\n+++ b/vllm/new.py\n@@ -0,0 +1 @@\n+X = 1\n"
+    )
+    with pytest.raises(StackError, match="new files belong in overlay/"):
+        parse_diff(diff, "0001-layer-1.patch")
+
+
+@pytest.mark.parametrize(
+    "edit", ["patches/0002-layer-2.patch", "overlay/vllm/logits.py"]
+)
+def test_the_stack_hash_changes_with_a_patch_or_an_overlay_file(
+    filled: Synthetic, edit: str
+) -> None:
+    before = load_stack(filled.root).stack_hash()
+    path = filled.root / edit
+    path.write_text(path.read_text().replace("64", "65"))
+    assert load_stack(filled.root).stack_hash() != before
