@@ -440,3 +440,154 @@ def test_the_self_check_accepts_bytecode_caches_beside_their_sources(
     cache.parent.mkdir()
     cache.write_bytes(b"bytecode")
     assert install.verify(payload, site) == []
+
+
+def delete_model_in_layer_3(syn: Synthetic) -> None:
+    """Layer 3 deletes the upstream file vllm/model.py; applied."""
+    syn.amend(3, {}, delete=("vllm/model.py",))
+    refresh(syn.stack(), syn.tree, today=dt.date(2026, 11, 3))
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", "layer 3 deletes model.py")
+
+
+def test_the_wheel_leaves_out_a_file_a_layer_deletes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    delete_model_in_layer_3(filled)
+    filled.apply()
+    result = build_into(filled, tmp_path)
+    with zipfile.ZipFile(result.wheel) as zf:
+        assert "vllm/model.py" not in zf.namelist()
+    assert json.loads(result.lock.read_text())["payload"]["removed"] == [
+        "vllm/model.py"
+    ]
+
+
+def test_the_installer_removes_a_file_a_layer_deletes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    delete_model_in_layer_3(filled)
+    payload, site = installed(filled, tmp_path)
+    assert not (site / "vllm/model.py").exists()
+    assert install.verify(payload, site) == []
+
+
+def test_the_self_check_finds_a_deleted_file_still_installed(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    delete_model_in_layer_3(filled)
+    payload, site = installed(filled, tmp_path)
+    (site / "vllm/model.py").write_text("def step_1():\n    return 1\n")
+    assert "vllm/model.py: should have been removed" in install.verify(payload, site)
+
+
+def test_the_installer_refuses_a_site_without_the_pinned_release(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = payload_and_upstream_site(filled, tmp_path)
+    empty = tmp_path / "empty-site"
+    empty.mkdir()
+    with pytest.raises(install.InstallError, match="has neither vllm-1.0.dist-info"):
+        install.install(payload, empty)
+    assert list(empty.iterdir()) == []
+
+
+def test_a_payload_missing_a_file_is_refused_before_anything_changes(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = payload_and_upstream_site(filled, tmp_path)
+    before = {p: p.read_bytes() for p in site.rglob("*") if p.is_file()}
+    (payload / "site" / "vllm/logits.py").unlink()
+    with pytest.raises(install.InstallError, match="payload file vllm/logits.py is"):
+        install.install(payload, site)
+    assert {p: p.read_bytes() for p in site.rglob("*") if p.is_file()} == before
+
+
+def test_the_installer_exits_1_when_its_self_check_finds_a_problem(
+    filled: Synthetic, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from k3stack import install
+
+    payload, site = installed(filled, tmp_path)
+    (site / "vllm/logits.py").write_text("TOPK = 1\n")
+    argv = ["--payload", str(payload), "--site", str(site), "--verify-only"]
+    assert install.main(argv) == 1
+    assert "k3-stack self-check: 1 problems" in capsys.readouterr().err
+
+
+def test_a_docker_cli_whose_engine_does_not_answer_is_said_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The docker CLI is installed, its daemon is not running.
+    docker = tmp_path / "bin" / "docker"
+    docker.parent.mkdir()
+    docker.write_text(
+        "#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n"
+    )
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{docker.parent}{os.pathsep}{os.environ['PATH']}")
+    context = tmp_path / "image"
+    context.mkdir()
+    assert docker_build(context, "tag") == (
+        "docker: no engine answered (Cannot connect to the Docker daemon); "
+        f"context ready: {context}"
+    )
+
+
+def test_a_build_replaces_the_wheel_of_the_previous_stack(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    build_into(filled, dist)
+    (filled.root / "overlay/vllm/logits.py").write_text("TOPK = 65\n")
+    git(filled.root, "commit", "-qam", "layer 2 changed")
+    filled.apply()
+    second = build_into(filled, dist)
+    assert sorted(p.name for p in dist.glob("*.whl")) == [second.wheel.name]
+
+
+def test_site_refuses_a_dest_that_is_a_file(tmp_path: Path) -> None:
+    from k3stack.cli import check_site_dest
+
+    dest = tmp_path / "site"
+    dest.write_text("mine\n")
+    with pytest.raises(StackError, match="exists and is not a directory"):
+        check_site_dest(dest)
+    assert dest.read_text() == "mine\n"
+
+
+def test_verify_only_checks_the_site_and_installs_nothing(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = payload_and_upstream_site(filled, tmp_path)
+    before = {p: p.read_bytes() for p in site.rglob("*") if p.is_file()}
+    argv = ["--payload", str(payload), "--site", str(site), "--verify-only"]
+    assert install.main(argv) == 1
+    assert {p: p.read_bytes() for p in site.rglob("*") if p.is_file()} == before
+
+
+def test_a_changed_file_keeps_the_upstream_wheel_s_executable_mode(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    upstream = tmp_path / "up" / filled.wheel.name
+    upstream.parent.mkdir()
+    with zipfile.ZipFile(filled.wheel) as src, zipfile.ZipFile(upstream, "w") as dst:
+        for info in src.infolist():
+            if info.filename == "vllm/envs.py":
+                info.external_attr = 0o100755 << 16
+            dst.writestr(info, src.read(info))
+    filled.apply()
+    result = build(filled.stack(), filled.pin, filled.tree, upstream, tmp_path / "d", 3)
+    with zipfile.ZipFile(result.wheel) as zf:
+        assert zf.getinfo("vllm/envs.py").external_attr >> 16 == 0o100755
