@@ -8,6 +8,7 @@ The tests run with this interpreter, which has pytest and pytest-timeout.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -20,11 +21,15 @@ from k3stack.gitutil import git
 from k3stack.qualify import (
     Outcomes,
     Row,
+    _finish,
     baseline,
     check_imports,
+    export_tests,
     judge_suite,
+    of_files,
     qualify_command,
     qualify_layer,
+    read_junit,
 )
 from k3stack.refresh import refresh
 
@@ -90,6 +95,7 @@ def test_an_upstream_run_that_dies_fails_rather_than_reading_the_last_runs_xml(
     row = qualify_layer_3(filled, tmp_path, site0)
     assert not row.ok
     assert "upstream tests did not run to the end (pytest exit code -6)" in row.notes
+    assert row.upstream.startswith("0 passed")
 
 
 def test_an_upstream_run_that_is_interrupted_fails(
@@ -104,20 +110,26 @@ def test_an_upstream_run_that_is_interrupted_fails(
     assert "upstream tests did not run to the end (pytest exit code 2)" in row.notes
 
 
+def hub_test_and_step_one_broken(syn: Synthetic, tmp_path: Path) -> Row:
+    """Layer 3's row where an upstream file cannot be collected (pristine
+    too) and layer 3 breaks the test of another."""
+    sdist = with_upstream_test(
+        syn, tmp_path, "tests/test_aaa_needs_hub.py", "import no_such_hub_module\n"
+    )
+    site0 = prepare(syn, tmp_path, sdist)
+    model = UPSTREAM_FILES["vllm/model.py"].replace("return 1\n", "return -1\n", 1)
+    syn.amend(3, {"vllm/model.py": model})
+    refresh(syn.stack(), syn.tree)
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", "layer 3 breaks step_1")
+    syn.apply(sdist=sdist)
+    return qualify_layer_3(syn, tmp_path, site0)
+
+
 def test_an_upstream_file_that_cannot_be_collected_hides_no_regression_in_another(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    sdist = with_upstream_test(
-        filled, tmp_path, "tests/test_aaa_needs_hub.py", "import no_such_hub_module\n"
-    )
-    site0 = prepare(filled, tmp_path, sdist)
-    model = UPSTREAM_FILES["vllm/model.py"].replace("return 1\n", "return -1\n", 1)
-    filled.amend(3, {"vllm/model.py": model})
-    refresh(filled.stack(), filled.tree)
-    git(filled.root, "add", "-A")
-    git(filled.root, "commit", "-q", "-m", "layer 3 breaks step_1")
-    filled.apply(sdist=sdist)
-    row = qualify_layer_3(filled, tmp_path, site0)
+    row = hub_test_and_step_one_broken(filled, tmp_path)
     assert not row.ok
     assert [n for n in row.notes if n.startswith("regression")] == [
         "regression: tests.test_model::test_step_one"
@@ -250,3 +262,133 @@ def test_qualify_refuses_an_empty_series_in_one_line(
     (synthetic.root / "patches/series").write_text("# no layers yet\n")
     with pytest.raises(StackError, match="patches/series lists no layers"):
         qualify_command(synthetic.stack(), synthetic.pin, qualify_args(tmp_path, None))
+
+
+def test_a_suite_run_that_exited_non_zero_fails_its_row() -> None:
+    # A file that could not be collected: pytest says so only in its exit code.
+    row = Row("3")
+    judge_suite(row, 1, Outcomes({"t.a::one": "passed"}))
+    assert not row.ok
+
+
+def test_a_suite_run_with_no_passing_test_fails_its_row() -> None:
+    row = Row("3")
+    judge_suite(row, 0, Outcomes())
+    assert not row.ok
+
+
+def test_a_failed_test_is_counted_in_its_row() -> None:
+    row = Row("3")
+    judge_suite(row, 1, Outcomes({"t.a::one": "passed", "t.a::two": "failed"}))
+    assert (row.ok, row.passed, row.failed) == (False, 1, 1)
+
+
+def test_a_test_that_errored_reads_as_failed(tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_setup">'
+        '<error message="fixture failed"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert read_junit(junit).results == {"tests.test_a::test_setup": "failed"}
+
+
+def test_a_new_upstream_test_that_fails_on_the_layer_is_a_regression(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    test = UPSTREAM_FILES["tests/test_model.py"]
+    test += "\n\ndef test_new():\n    assert False\n"
+    change_layer_3(filled, {"tests/test_model.py": test})
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert "regression: tests.test_model::test_new" in row.notes
+
+
+def test_a_test_of_a_module_whose_name_extends_the_file_s_is_not_its() -> None:
+    assert of_files("tests.test_model::test_one", ["tests/test_model.py"])
+    assert not of_files("tests.test_model_extra::test_one", ["tests/test_model.py"])
+
+
+def test_a_failed_row_fails_qualify(tmp_path: Path) -> None:
+    rows = [Row("1 one"), Row("2 two", ok=False)]
+    with pytest.raises(StackError, match="qualify failed for: 2 two"):
+        _finish(rows, tmp_path, 0.0)
+
+
+def test_qualify_refuses_a_missing_suite_before_running_anything(
+    synthetic: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_running_tests(monkeypatch)
+    with pytest.raises(StackError, match="Suite path tests/layer1 does not exist"):
+        qualify_command(synthetic.stack(), synthetic.pin, qualify_args(tmp_path, None))
+
+
+def test_an_upstream_test_the_layer_s_tree_lacks_is_refused(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    with pytest.raises(StackError, match="not in the tree at layer-3: tests/gone.py"):
+        export_tests(
+            synthetic.tree,
+            "layer-3",
+            tmp_path / "t",
+            ["tests/test_model.py", "tests/gone.py"],
+        )
+
+
+def test_a_layer_with_changes_and_no_suite_fails_its_row(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    shutil.rmtree(filled.root / "tests" / "layer2")
+    stack = filled.stack()
+    layer = stack.layer(2)
+    work, out = tmp_path / "work", tmp_path / "out"
+    base = baseline(PYTHON, filled.tree, site0, layer.patch.upstream_tests, work, out)
+    row = qualify_layer(
+        stack,
+        filled.pin,
+        layer,
+        filled.tree,
+        filled.wheel,
+        site0,
+        base,
+        PYTHON,
+        work,
+        out,
+    )
+    assert row.focused == "FAIL (no suite)"
+    assert not row.ok
+
+
+def test_an_overlay_module_that_fails_to_import_fails_its_row(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    change_layer_3(filled, {"vllm/broken.py": "raise RuntimeError('no hub')\n"})
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert row.imports == "FAIL (1)"
+    assert not row.ok
+
+
+def test_the_upstream_column_counts_regressions_apart_from_known_failures(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    row = hub_test_and_step_one_broken(filled, tmp_path)
+    assert row.upstream == ("0 passed, 1 regressions, 1 not passing on pristine either")
+
+
+def test_the_baseline_is_not_reused_for_another_set_of_upstream_tests(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["tests/test_more.py"] = "def test_more():\n    assert True\n"
+    site0 = prepare(synthetic, tmp_path, make_sdist(tmp_path / "more.tar.gz", files))
+    work, out = tmp_path / "work", tmp_path / "out"
+    baseline(PYTHON, synthetic.tree, site0, ["tests/test_model.py"], work, out)
+    tests = ["tests/test_model.py", "tests/test_more.py"]
+    assert baseline(PYTHON, synthetic.tree, site0, tests, work, out).results == {
+        "tests.test_model::test_step_one": "passed",
+        "tests.test_more::test_more": "passed",
+    }
