@@ -343,3 +343,56 @@ def test_a_conflict_in_an_upstream_file_git_quotes_is_named_plainly(
     assert results[0].status == "conflict"
     assert results[0].files == ["vllm/naïve.py"]
     assert any(h.startswith("vllm/naïve.py:") for h in results[0].hunks)
+
+
+@pytest.mark.parametrize("machine", ["arm64", "ARM64", "aarch64"])
+def test_an_arm64_machine_gets_the_aarch64_wheel(machine: str) -> None:
+    assert PINNED.wheel(machine) == PINNED.wheels["aarch64"]
+
+
+def test_of_several_wheels_two_with_the_pinned_platform_tag_are_refused() -> None:
+    arm = "vllm-0.34.0-cp38-abi3-manylinux_2_28_aarch64.whl"
+    x86 = [
+        "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "vllm-0.34.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+    ]
+    with pytest.raises(StackError, match="2 x86_64 wheels .* pin by hand"):
+        select_wheels(PINNED, "0.34.0", [*x86, arm])
+
+
+def test_an_overlay_file_upstream_has_with_other_bytes_is_a_conflict(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/logits.py": "TOPK = 8\n"})
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["clean", "conflict", "clean"]
+    assert results[1].files == ["vllm/logits.py"]
+
+
+def test_a_layer_whose_diff_is_upstream_but_one_new_file_is_not_still_lands(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    refill(filled, 1, {"vllm/remote/client.py": "TIMEOUT = 5\n"})
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/remote/__init__.py": "PORT = 1\n"})
+    files["vllm/envs.py"] = envs_with(SETTING_5=55)
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["3-way", "clean", "clean"]
+
+
+def test_a_layer_whose_moved_change_is_upstream_is_already_upstream(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/remote/__init__.py": "PORT = 1\n"})
+    files["vllm/envs.py"] = "# moved\n" * 5 + envs_with(SETTING_5=55)
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["already-upstream", "clean", "clean"]
+    assert results[0].note == "the three-way merge comes out empty"
