@@ -14,7 +14,7 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
-from k3stack.fetch import fetch, verify_file
+from k3stack.fetch import fetch, pip_index_url, project_files, verify_file
 from k3stack.pin import Artifact
 
 
@@ -107,3 +107,51 @@ def test_a_changed_cached_file_is_refused_naming_where_it_is_and_kept(
         fetch(synthetic.pin.sdist, "vllm")
     assert "\n" not in str(info.value)
     assert cached.exists()
+
+
+def test_fetch_uses_pip_s_download_index_over_its_global_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "pip.conf"
+    config.write_text(
+        "[global]\nindex-url = http://global.invalid/simple\n"
+        "[download]\nindex-url = http://download.invalid/simple\n"
+    )
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    assert pip_index_url() == "http://download.invalid/simple"
+
+
+def test_an_html_index_names_files_by_their_unquoted_link_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A PEP 503 (HTML only) index, as some mirrors are: its links quote '+'.
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    page = (
+        b'<html><body><a href="../../files/vllm-1.0%2Bcpu.tar.gz#sha256=00">'
+        b"vllm-1.0+cpu.tar.gz</a></body></html>"
+    )
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        files = project_files(f"{base}/simple", "vllm")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert files == {
+        "vllm-1.0+cpu.tar.gz": f"{base}/files/vllm-1.0%2Bcpu.tar.gz#sha256=00"
+    }
