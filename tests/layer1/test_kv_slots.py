@@ -21,12 +21,25 @@ def test_window_must_be_a_positive_multiple_of_the_block(window):
         SlotGeometry(block_size=16, window_size=window, num_slots=1)
 
 
+@pytest.mark.parametrize(("block", "slots"), [(0, 1), (-4, 1), (4, 0), (4, -1)])
+def test_block_size_and_slot_count_must_be_positive(block, slots):
+    with pytest.raises(ValueError, match="positive"):
+        SlotGeometry(block_size=block, window_size=8, num_slots=slots)
+
+
 def test_physical_block_follows_the_ring_formula():
     geometry = SlotGeometry(block_size=16, window_size=64, num_slots=4)
     for slot in range(4):
         for position in range(0, 500, 7):
             expected = 1 + slot * 5 + (position // 16) % 5
             assert geometry.physical_block(slot, position) == expected
+
+
+@pytest.mark.parametrize(("slot", "position"), [(-1, 0), (4, 0), (0, -1)])
+def test_physical_block_refuses_a_slot_or_position_out_of_range(slot, position):
+    geometry = SlotGeometry(block_size=16, window_size=64, num_slots=4)
+    with pytest.raises(ValueError, match="out of range"):
+        geometry.physical_block(slot, position)
 
 
 def test_block_zero_is_never_handed_out():
@@ -88,3 +101,11 @@ def test_allocator_refuses_a_double_free():
     allocator.free(allocator.allocate())
     with pytest.raises(ValueError, match="not allocated"):
         allocator.free(0)
+
+
+@pytest.mark.parametrize("slot", [-1, 2])
+def test_allocator_refuses_to_free_a_slot_outside_the_pool(slot):
+    allocator = SlotAllocator(2)
+    allocator.allocate()
+    with pytest.raises(ValueError, match="not allocated"):
+        allocator.free(slot)
