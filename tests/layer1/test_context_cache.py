@@ -64,6 +64,12 @@ def test_read_beyond_the_budget_is_refused():
         make_cache(budget=8).read(0, 0, 9)
 
 
+@pytest.mark.parametrize("budget", [0, -8])
+def test_a_budget_below_one_row_is_refused(budget):
+    with pytest.raises(ValueError, match="budget must be positive"):
+        make_cache(budget=budget)
+
+
 def test_coverage_starts_at_the_later_of_start_and_high_minus_budget():
     assert covered_start(start=5, high=50, budget=96) == 5
     assert covered_start(start=5, high=500, budget=96) == 404
