@@ -7,8 +7,10 @@ import torch
 
 from vllm.k3_draft.engine import (
     DraftLimits,
+    MemoryPlan,
     ProposeBatch,
     graph_batch_sizes,
+    padded_batch_size,
     plan_context,
 )
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
@@ -194,9 +196,28 @@ def test_plan_context_keeps_only_rows_the_cache_can_hold():
     assert plan.kv_select.tolist() == list(range(16, 64))
 
 
+def test_plan_context_drops_rows_beyond_a_budget_below_the_reach():
+    # reach 48 > budget 32: 40 rows fit the KV ring but not the cache ring.
+    plan = plan_context(batch([1], [0], [40], [40], rows(40, 12)), reach=48, budget=32)
+    assert plan.keep is not None and plan.keep.tolist() == list(range(8, 40))
+    assert plan.positions.tolist() == list(range(8, 40))
+
+
 def test_graph_batch_sizes_cover_every_batch_size():
     assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert graph_batch_sizes(1) == [1]
+
+
+def test_a_batch_pads_to_the_smallest_captured_size_holding_it():
+    sizes = [1, 2, 4, 8, 12]
+    assert [padded_batch_size(sizes, n) for n in range(1, 13)] == (
+        [1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12]
+    )
+
+
+def test_memory_plan_total_is_the_sum_of_its_parts():
+    plan = MemoryPlan(kv_bytes=1, prefix_cache_bytes=2, weight_bytes=4, staging_bytes=8)
+    assert plan.total == 15
 
 
 @pytest.mark.gpu
