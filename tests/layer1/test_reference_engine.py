@@ -196,6 +196,13 @@ def test_plan_context_keeps_only_rows_the_cache_can_hold():
     assert plan.kv_select.tolist() == list(range(16, 64))
 
 
+def test_plan_context_writes_kv_of_the_reach_only_when_the_cache_holds_more():
+    # 60 rows fit the cache (64) but not the KV ring's reach (48).
+    plan = plan_context(batch([1], [0], [60], [60], rows(60, 13)), reach=48, budget=64)
+    assert plan.keep is None
+    assert plan.kv_select is not None and plan.kv_select.tolist() == list(range(12, 60))
+
+
 def test_plan_context_drops_rows_beyond_a_budget_below_the_reach():
     # reach 48 > budget 32: 40 rows fit the KV ring but not the cache ring.
     plan = plan_context(batch([1], [0], [40], [40], rows(40, 12)), reach=48, budget=32)
