@@ -142,6 +142,37 @@ def test_rewind_beyond_the_block_is_refused(server):
     assert "rewinds to 23" in error_of(propose(server, [entry("a", 25, 2)]))
 
 
+def overhanging_server(overhang: int) -> DraftServer:
+    """A server whose engine says its query pass writes K/V ``overhang``
+    positions at or past a request's end."""
+    engine = ReferenceEngine(
+        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    engine.spec = dataclasses.replace(engine.spec, query_kv_overhang=overhang)
+    engine.load()
+    return DraftServer(engine)
+
+
+def test_rewind_is_shortened_by_the_engines_query_kv_overhang():
+    # Block 16 less an overhang of 4: a rewind from 40 reaches back to 28.
+    server = overhanging_server(4)
+    propose(server, [entry("a", 40, 40, reset=True)])
+    assert "rewinds to 27" in error_of(propose(server, [entry("a", 29, 2)]))
+    assert propose(server, [entry("a", 30, 2)])["ok"]
+
+
+def test_an_overhang_of_a_whole_block_serves_without_rewinds():
+    server = overhanging_server(LIMITS.block_size)
+    propose(server, [entry("a", 40, 40, reset=True)])
+    assert "rewinds to 39" in error_of(propose(server, [entry("a", 40, 1)]))
+    assert propose(server, [entry("a", 41, 1)])["ok"]
+
+
+def test_an_overhang_beyond_the_block_is_refused_at_start_up():
+    with pytest.raises(ValueError, match="below the engine's query K/V overhang"):
+        overhanging_server(LIMITS.block_size + 1)
+
+
 def test_rewind_is_bounded_from_the_highest_position_written(server):
     # The ring still holds what was written up to 40, not up to the end an
     # earlier rewind left: a second rewind is measured from 40.
