@@ -15,7 +15,7 @@ from k3_layer1_server import DEFAULT_OPTIONS, entry, propose_message
 from vllm.k3_draft import protocol
 from vllm.k3_draft.engine import DraftLimits
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
-from vllm.k3_draft.server import DraftServer
+from vllm.k3_draft.server import DraftServer, ServerStats
 
 WIDTH = DEFAULT_OPTIONS["context_width"]
 LIMITS = DraftLimits(
@@ -509,6 +509,32 @@ def test_cached_tokens_count_the_rows_a_request_reconnected_into_itself_kept(
     assert server.snapshot()["prefix_cache"]["cached_tokens"] == 190 - 72
 
 
+def test_a_reconnect_into_itself_rebuilds_kv_of_the_restored_window_only(
+    server, monkeypatch
+):
+    # A's cache holds [72, 190); only [112, 190) is restored (at most
+    # window + block positions, so no two share a KV ring location).
+    propose(server, [entry("A", 200, 200, reset=True)])
+    restores = []
+    restore = server.engine.restore
+    monkeypatch.setattr(
+        server.engine, "restore", lambda *args: restores.append(args) or restore(*args)
+    )
+    call(server, "RECONNECT", source_request_id="A", request_id="A", prefix_end=190)
+    assert restores == [(0, 0, 112, 190)]
+
+
+def test_cached_tokens_end_at_the_valid_end_after_a_rewind(server):
+    propose(server, [entry("A", 40, 40, reset=True)])
+    propose(server, [entry("A", 35, 2)])
+    assert server.snapshot()["prefix_cache"]["cached_tokens"] == 35
+
+
+def test_cache_capacity_counts_every_retained_request(server):
+    capacity = server.snapshot()["prefix_cache"]["capacity_tokens"]
+    assert capacity == LIMITS.prefix_cache_tokens * LIMITS.max_requests
+
+
 def test_a_context_cache_below_window_plus_block_warns_of_refused_reconnects(caplog):
     with caplog.at_level(logging.WARNING):
         make_server()
@@ -606,3 +632,15 @@ def test_stats_count_requests_and_errors_by_op(server):
     snapshot = server.snapshot()
     assert snapshot["requests_by_op"] == {"PING": 1, "INVALID": 1}
     assert snapshot["errors_by_op"] == {"INVALID": 1}
+
+
+def test_proposals_count_only_the_proposes_served(server):
+    propose(server, [entry("a", 4, 4, reset=True)])
+    propose(server, [entry("b", 4)])  # unknown request: refused
+    assert server.snapshot()["proposals"] == 1
+
+
+def test_a_latency_on_a_bucket_bound_counts_in_that_bucket():
+    stats = ServerStats()
+    stats.observe_propose(1.0, {})
+    assert stats.latency_bucket_counts[2] == 1  # the bucket of 1.0 ms
