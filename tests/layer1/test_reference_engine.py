@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The reference draft engine (CPU; the CUDA graph tests need a GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -185,6 +187,42 @@ def test_memory_plan_counts_the_bytes_load_allocates():
     assert plan.kv_bytes == engine.kv.nbytes
     assert plan.prefix_cache_bytes == engine.cache.rows.nbytes
     assert plan.weight_bytes == sum(w.nbytes for w in engine.w.values())
+
+
+def test_memory_plan_counts_a_cache_ring_per_retained_request():
+    # More retained requests (6) than batch rows (4): one ring per request.
+    limits = dataclasses.replace(LIMITS, max_requests=6)
+    engine = ReferenceEngine(
+        limits, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    engine.load()
+    assert engine.memory_plan().prefix_cache_bytes == engine.cache.rows.nbytes
+
+
+class MisshapenEngine(ReferenceEngine):
+    """The reference draft with its LM head one vocabulary row short."""
+
+    def host_weights(self) -> dict[str, torch.Tensor]:
+        weights = super().host_weights()
+        weights["lm_head"] = weights["lm_head"][:-1]
+        return weights
+
+
+def test_load_refuses_weights_that_do_not_match_the_draft_shape():
+    engine = MisshapenEngine(
+        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    with pytest.raises(ValueError, match="do not match the draft shape"):
+        engine.load()
+
+
+def test_memory_plan_stages_every_context_row_with_its_position_and_the_logits():
+    engine = ReferenceEngine(
+        LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+    )
+    rows_and_positions = 512 * (WIDTH * 2 + 8)  # bf16 rows, int64 positions
+    logits = 4 * 4 * 1024 * 4  # batch x K x vocab, float32 on CPU
+    assert engine.memory_plan().staging_bytes == rows_and_positions + logits
 
 
 def test_plan_context_keeps_only_rows_the_cache_can_hold():
