@@ -86,6 +86,19 @@ def test_output_shapes_follow_k(method):
     assert torch.equal(output.tokens, output.logits.argmax(-1))
 
 
+def test_dspark_biases_each_draft_by_the_markov_row_of_the_token_before_it():
+    # Raising the Markov row of the first drafted token changes the second
+    # draft's logits only, not the first's (biased by the anchor's row).
+    engine, context = make_engine(method="dspark"), rows(10, 2)
+    before = first(engine, context, k=2)
+    drafted = int(before.tokens[0, 0])
+    assert drafted != 5  # not the anchor token
+    engine.w["markov_w1"][drafted] += 1.0
+    after = first(engine, context, k=2)
+    assert torch.equal(after.logits[:, 0], before.logits[:, 0])
+    assert not torch.equal(after.logits[:, 1], before.logits[:, 1])
+
+
 def test_context_outside_the_window_does_not_matter():
     tail = rows(32, 3)
     old_a = torch.cat((rows(40, 4), tail))
