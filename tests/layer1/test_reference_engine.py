@@ -65,6 +65,24 @@ def first(engine: ReferenceEngine, context: torch.Tensor, k: int = 3):
     return engine.propose(batch([0], [0], [n], [n], context, k))
 
 
+SHAPE = ReferenceModelConfig(context_width=WIDTH).shape()
+
+
+def test_query_heads_must_be_a_multiple_of_the_kv_heads():
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        dataclasses.replace(SHAPE, num_heads=6, num_kv_heads=4)
+
+
+def test_a_mask_token_past_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        dataclasses.replace(SHAPE, mask_token_id=SHAPE.vocab_size)
+
+
+def test_cuda_graphs_on_a_cpu_engine_are_refused():
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        ReferenceEngine(LIMITS, ReferenceModelConfig(), torch.device("cpu"), True)
+
+
 def test_same_seed_same_tokens():
     context = rows(20, 1)
     assert torch.equal(
