@@ -517,9 +517,12 @@ def test_a_reconnect_into_itself_rebuilds_kv_of_the_restored_window_only(
     propose(server, [entry("A", 200, 200, reset=True)])
     restores = []
     restore = server.engine.restore
-    monkeypatch.setattr(
-        server.engine, "restore", lambda *args: restores.append(args) or restore(*args)
-    )
+
+    def recorded(*args):
+        restores.append(args)
+        restore(*args)
+
+    monkeypatch.setattr(server.engine, "restore", recorded)
     call(server, "RECONNECT", source_request_id="A", request_id="A", prefix_end=190)
     assert restores == [(0, 0, 112, 190)]
 
