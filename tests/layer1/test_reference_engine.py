@@ -78,6 +78,12 @@ def test_a_mask_token_past_the_vocabulary_is_refused():
         dataclasses.replace(SHAPE, mask_token_id=SHAPE.vocab_size)
 
 
+def test_a_weight_of_2_to_the_63_elements_is_refused():
+    # embed and lm_head: 2**32 x 2**31, one element beyond torch's count.
+    with pytest.raises(ValueError, match=r"more than 2\*\*63 - 1 elements"):
+        dataclasses.replace(SHAPE, vocab_size=2**32, hidden_size=2**31)
+
+
 def test_cuda_graphs_on_a_cpu_engine_are_refused():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         ReferenceEngine(LIMITS, ReferenceModelConfig(), torch.device("cpu"), True)
