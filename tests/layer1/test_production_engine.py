@@ -462,6 +462,11 @@ _DEEP_JSON = "[" * 100_000 + "]" * 100_000
         ),
         (
             "draft/model.safetensors",
+            lambda path: path.write_bytes((1 << 40).to_bytes(8, "little") + b"{}"),
+            "model.safetensors has a 1099511627776-byte header",
+        ),
+        (
+            "draft/model.safetensors",
             _safetensors(
                 '{"fc.weight": {"dtype": "F32", "shape": [-4, -4], '
                 '"data_offsets": [0, 64]}}',
