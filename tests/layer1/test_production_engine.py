@@ -475,6 +475,15 @@ _DEEP_JSON = "[" * 100_000 + "]" * 100_000
             r"fc.weight: negative shape \[-4, -4\]",
         ),
         (
+            "draft/model.safetensors",
+            _safetensors(
+                '{"fc.weight": {"dtype": "F32", "shape": [4, 4], '
+                '"data_offsets": [-64, 0]}}',
+                bytes(64),
+            ),
+            "fc.weight: byte range does not match its shape",
+        ),
+        (
             "target/model-00002-of-00002.safetensors",
             _remove,
             "cannot read .*model-00002-of-00002.safetensors",
