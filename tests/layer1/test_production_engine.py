@@ -365,6 +365,12 @@ def test_truncated_safetensors_file_is_refused(tmp_path):
         SafetensorsCheckpoint(target).load("lm_head.weight")
 
 
+def test_a_tensor_of_no_elements_loads_as_an_empty_tensor(tmp_path):
+    save_file({"empty": torch.zeros(0, 4)}, tmp_path / "model.safetensors")
+    empty = SafetensorsCheckpoint(tmp_path).load("empty")
+    assert empty.shape == (0, 4) and empty.dtype == torch.float32
+
+
 def test_production_memory_plan_counts_gqa_kv_heads(tmp_path):
     draft, target = write_checkpoints(tmp_path, "dflash", num_key_value_heads=1)
     engine = ProductionEngine.from_checkpoints(
