@@ -260,6 +260,8 @@ def test_kv_heads_default_as_qwen3_config_does(tmp_path, absent):
             True,
         ),
         ({"use_sliding_window": True, "max_window_layers": 1}, True),
+        # From layer 2 of 2 on: no layer slides.
+        ({"use_sliding_window": True, "max_window_layers": 2}, False),
         ({"use_sliding_window": True, "sliding_window": 64}, False),
         (
             {
