@@ -208,6 +208,7 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
         ({"logit_scale": 0.5}, "logit_scale"),
         ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "RoPE scaling"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
         ({"architectures": ["LlamaForCausalLM"]}, "no supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),
