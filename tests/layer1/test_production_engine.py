@@ -176,6 +176,21 @@ def test_production_engine_matches_the_same_weights_in_the_reference(tmp_path, m
     assert_drafts_as_the_reference(*write_checkpoints(tmp_path, method), method)
 
 
+def test_draft_names_upstream_aliases_load_as_their_targets(tmp_path):
+    # Upstream's DFlash loader maps midlayer., encoder.fc. and
+    # encoder.output_norm_enc. onto layers.0., fc. and hidden_norm.
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    renamed = {}
+    for name, value in tensors.items():
+        name = name.replace("layers.0.", "midlayer.")
+        name = name.replace("fc.", "encoder.fc.")
+        name = name.replace("hidden_norm.", "encoder.output_norm_enc.")
+        renamed[name] = value
+    save_file(renamed, str(draft / "model.safetensors"))
+    assert_drafts_as_the_reference(draft, target, "dflash")
+
+
 def test_qwen3_omni_target_heads_are_read_from_the_thinker(tmp_path):
     draft, target = write_checkpoints(
         tmp_path, "dspark", architectures=["Qwen3OmniDSparkModel"]
@@ -299,6 +314,7 @@ def test_sliding_window_layers_are_resolved_as_qwen3_config_does(
     [
         "layers.0.self_attn.q_proj.bias",
         "layers.9.mlp.up_proj.weight",
+        "layers.2.mlp.up_proj.weight",  # the draft has layers 0 and 1
         "x.y",
         # DFlash has neither a Markov nor a confidence head.
         "markov_head.markov_w1.weight",
