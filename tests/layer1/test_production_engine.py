@@ -191,6 +191,18 @@ def test_draft_names_upstream_aliases_load_as_their_targets(tmp_path):
     assert_drafts_as_the_reference(draft, target, "dflash")
 
 
+def test_a_draft_missing_a_weight_of_one_layer_is_refused(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    del tensors["layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(draft / "model.safetensors"))
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match="misses w_up of some layers"):
+        engine.load()
+
+
 def test_qwen3_omni_target_heads_are_read_from_the_thinker(tmp_path):
     draft, target = write_checkpoints(
         tmp_path, "dspark", architectures=["Qwen3OmniDSparkModel"]
