@@ -203,6 +203,19 @@ def test_a_draft_missing_a_weight_of_one_layer_is_refused(tmp_path):
         engine.load()
 
 
+def test_a_target_without_an_lm_head_ties_it_to_the_embedding(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    index = {
+        "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
+    }
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    heads = engine.host_weights()
+    assert torch.equal(heads["lm_head"], heads["embed"])
+
+
 def test_qwen3_omni_target_heads_are_read_from_the_thinker(tmp_path):
     draft, target = write_checkpoints(
         tmp_path, "dspark", architectures=["Qwen3OmniDSparkModel"]
