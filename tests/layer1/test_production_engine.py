@@ -216,6 +216,18 @@ def test_a_target_without_an_lm_head_ties_it_to_the_embedding(tmp_path):
     assert torch.equal(heads["lm_head"], heads["embed"])
 
 
+def test_a_draft_weight_of_another_shape_is_refused_by_name(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["fc.weight"] = tensors["fc.weight"][:, 1:].contiguous()
+    save_file(tensors, str(draft / "model.safetensors"))
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match=r"fc has shape \[16, 47\]"):
+        engine.load()
+
+
 def test_qwen3_omni_target_heads_are_read_from_the_thinker(tmp_path):
     draft, target = write_checkpoints(
         tmp_path, "dspark", architectures=["Qwen3OmniDSparkModel"]
