@@ -273,6 +273,10 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
             "sample_from_anchor",
         ),
         ({"dspark_draft_topk": 1}, "dspark_draft_topk"),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_head_type": "gated"},
+            "unsupported DSpark head",
+        ),
         ({"eagle_config": {"use_aux_hidden_state": False}}, "without aux hidden"),
         ({"use_aux_hidden_state": None}, "without aux hidden"),
         # Config classes default these differently: the checkpoint must say.
@@ -285,6 +289,13 @@ def test_unsupported_checkpoints_are_refused_with_the_reason(
 ):
     draft, _ = write_checkpoints(tmp_path, "dflash", **override)
     with pytest.raises(CheckpointError, match=reason):
+        DraftCheckpoint.from_dir(draft)
+
+
+def test_a_draft_with_a_mask_embedding_file_is_refused(tmp_path):
+    draft, _ = write_checkpoints(tmp_path, "dflash")
+    torch.save(torch.zeros(16), draft / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match="mask_embedding.pt"):
         DraftCheckpoint.from_dir(draft)
 
 
