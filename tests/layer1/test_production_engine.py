@@ -299,6 +299,15 @@ def test_a_draft_with_a_mask_embedding_file_is_refused(tmp_path):
         DraftCheckpoint.from_dir(draft)
 
 
+def test_rms_norm_eps_defaults_as_qwen3_config_does(tmp_path):
+    draft, _ = write_checkpoints(tmp_path, "dflash")
+    config = json.loads((draft / "config.json").read_text())
+    del config["rms_norm_eps"]
+    (draft / "config.json").write_text(json.dumps(config))
+    shape = DraftCheckpoint.from_dir(draft).shape
+    assert shape.rms_norm_eps == Qwen3Config.from_dict(config).rms_norm_eps
+
+
 @pytest.mark.parametrize("absent", [True, False])
 def test_kv_heads_default_as_qwen3_config_does(tmp_path, absent):
     """32 KV heads when num_key_value_heads is absent, as many as attention
