@@ -299,6 +299,12 @@ def test_a_draft_with_a_mask_embedding_file_is_refused(tmp_path):
         DraftCheckpoint.from_dir(draft)
 
 
+def test_context_width_is_the_target_hidden_size_per_aux_layer(tmp_path):
+    # A target hidden size (24) other than the draft's (16).
+    draft, _ = write_checkpoints(tmp_path, "dflash", target_hidden_size=24)
+    assert DraftCheckpoint.from_dir(draft).shape.context_width == 24 * 3
+
+
 def test_rms_norm_eps_defaults_as_qwen3_config_does(tmp_path):
     draft, _ = write_checkpoints(tmp_path, "dflash")
     config = json.loads((draft / "config.json").read_text())
