@@ -123,6 +123,15 @@ def test_dspark_biases_each_draft_by_the_markov_row_of_the_token_before_it():
     assert not torch.equal(after.logits[:, 1], before.logits[:, 1])
 
 
+def test_drafts_depend_on_relative_positions_only():
+    # RoPE on queries and context keys alike: the same rows 100 positions
+    # later draft the same logits.
+    context = rows(20, 2)
+    at_0 = first(make_engine(), context)
+    later = make_engine().propose(batch([0], [100], [120], [20], context))
+    torch.testing.assert_close(later.logits, at_0.logits, atol=1e-4, rtol=1e-4)
+
+
 def test_context_outside_the_window_does_not_matter():
     tail = rows(32, 3)
     old_a = torch.cat((rows(40, 4), tail))
