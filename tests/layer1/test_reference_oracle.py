@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The torch draft engine drafts what the documented DFlash/DSpark architecture
+computes: checked against a float64 oracle written here as plain per-request,
+per-row, per-head loops (explicit softmax over the attended keys)."""
+
+import math
+
+import pytest
+import torch
+
+from vllm.k3_draft.engine import DraftLimits, ProposeBatch
+from vllm.k3_draft.reference_engine import DraftShape, TorchDraftEngine
+
+LIMITS = DraftLimits(
+    max_requests=2,
+    max_batch_size=2,
+    max_speculative_tokens=3,
+    max_context_tokens=64,
+    max_model_len=256,
+    block_size=4,
+    window_size=8,
+    prefix_cache_tokens=16,
+)
+WIDTH = 12
+K = 3
+# Request 0 sees a full window [6, 14); request 1's valid start 3 cuts into
+# its window [-1, 7).
+SLOTS, STARTS, ENDS, COUNTS, ANCHORS = [0, 1], [0, 3], [14, 7], [14, 4], [7, 20]
+
+
+def tiny_shape(method: str) -> DraftShape:
+    # GQA: 4 query heads over 2 KV heads.
+    return DraftShape(
+        method=method,
+        vocab_size=64,
+        context_width=WIDTH,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        intermediate_size=24,
+        mask_token_id=63,
+        markov_rank=3 if method == "dspark" else 0,
+    )
+
+
+class TinyEngine(TorchDraftEngine):
+    def host_weights(self) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(3)
+        weights = {}
+        for name, size in self.shape.weight_shapes().items():
+            value = torch.randn(size, generator=generator)
+            if "norm" in name:
+                weights[name] = 1.0 + 0.2 * value
+            else:
+                weights[name] = value / size[-1] ** 0.5
+        return weights
+
+
+def context_rows() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(sum(COUNTS), WIDTH, generator=generator).bfloat16()
+
+
+# ------------------------------------------------------------------ oracle
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    total = 0.0
+    for value in x.tolist():
+        total += value * value
+    return x / math.sqrt(total / len(x) + eps) * weight
+
+
+def rope(x: torch.Tensor, position: int, theta: float) -> torch.Tensor:
+    half = len(x) // 2
+    out = torch.zeros_like(x)
+    for i in range(half):
+        angle = position * theta ** (-i / half)
+        c, s = math.cos(angle), math.sin(angle)
+        out[i] = x[i] * c - x[i + half] * s
+        out[i + half] = x[i + half] * c + x[i] * s
+    return out
+
+
+def heads(x: torch.Tensor, count: int, dim: int) -> list[torch.Tensor]:
+    return [x[h * dim : (h + 1) * dim] for h in range(count)]
+
+
+def oracle(
+    shape: DraftShape, w: dict[str, torch.Tensor], rows: torch.Tensor, depth: int
+) -> torch.Tensor:
+    """Draft logits ``[requests, depth, V]`` in float64, one loop at a time."""
+    eps, theta, dim = shape.rms_norm_eps, shape.rope_theta, shape.head_dim
+    group = shape.num_heads // shape.num_kv_heads
+    window = LIMITS.window_size
+    dflash = shape.method == "dflash"
+    out = []
+    first_row = 0
+    for r in range(len(SLOTS)):
+        start, end, count = STARTS[r], ENDS[r], COUNTS[r]
+        # Context: fc, hidden_norm, then per layer K (k_norm, RoPE) and V.
+        ctx_k: list[dict[int, list[torch.Tensor]]]
+        ctx_v: list[dict[int, list[torch.Tensor]]]
+        ctx_k = [{} for _ in range(shape.num_layers)]
+        ctx_v = [{} for _ in range(shape.num_layers)]
+        for i in range(count):
+            pos = end - count + i
+            if not (end - window <= pos < end and pos >= start):
+                continue
+            combined = w["fc"] @ rows[first_row + i]
+            x = rms(combined, w["hidden_norm"], eps)
+            for layer in range(shape.num_layers):
+                k = heads(w["wk"][layer] @ x, shape.num_kv_heads, dim)
+                v = heads(w["wv"][layer] @ x, shape.num_kv_heads, dim)
+                ctx_k[layer][pos] = [
+                    rope(rms(kh, w["k_norm"][layer], eps), pos, theta) for kh in k
+                ]
+                ctx_v[layer][pos] = v
+        first_row += count
+        # Query block.
+        n = depth + 1 if dflash else depth
+        ids = [ANCHORS[r]] + [shape.mask_token_id] * (n - 1)
+        xs = [w["embed"][t].clone() for t in ids]
+        for layer in range(shape.num_layers):
+            qs, ks, vs = [], [], []
+            for j in range(n):
+                h = rms(xs[j], w["input_norm"][layer], eps)
+                q = heads(w["wq"][layer] @ h, shape.num_heads, dim)
+                k = heads(w["wk"][layer] @ h, shape.num_kv_heads, dim)
+                pos = end + j
+                qs.append(
+                    [rope(rms(qh, w["q_norm"][layer], eps), pos, theta) for qh in q]
+                )
+                ks.append(
+                    [rope(rms(kh, w["k_norm"][layer], eps), pos, theta) for kh in k]
+                )
+                vs.append(heads(w["wv"][layer] @ h, shape.num_kv_heads, dim))
+            new_xs = []
+            for j in range(n):
+                attn = []
+                for head in range(shape.num_heads):
+                    kv_head = head // group
+                    keys, values = [], []
+                    for pos in sorted(ctx_k[layer]):
+                        keys.append(ctx_k[layer][pos][kv_head])
+                        values.append(ctx_v[layer][pos][kv_head])
+                    for jj in range(n):
+                        keys.append(ks[jj][kv_head])
+                        values.append(vs[jj][kv_head])
+                    scores = [float(qs[j][head] @ key) / math.sqrt(dim) for key in keys]
+                    top = max(scores)
+                    exps = [math.exp(s - top) for s in scores]
+                    total = sum(exps)
+                    mixed = torch.zeros(dim, dtype=torch.float64)
+                    for e, value in zip(exps, values):
+                        mixed = mixed + e / total * value
+                    attn.append(mixed)
+                x = xs[j] + w["wo"][layer] @ torch.cat(attn)
+                h = rms(x, w["post_norm"][layer], eps)
+                gate = w["w_gate"][layer] @ h
+                up = w["w_up"][layer] @ h
+                x = x + w["w_down"][layer] @ (gate * torch.sigmoid(gate) * up)
+                new_xs.append(x)
+            xs = new_xs
+        drafting = xs[1:] if dflash else xs
+        logits = [w["lm_head"] @ rms(x, w["final_norm"], eps) for x in drafting]
+        if not dflash:
+            prev = ANCHORS[r]
+            for step in range(depth):
+                bias = w["markov_w2"] @ w["markov_w1"][prev]
+                logits[step] = logits[step] + bias
+                prev = int(torch.argmax(logits[step]))
+        out.append(torch.stack(logits))
+    return torch.stack(out)
+
+
+# ------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_drafts_match_the_documented_architecture(method):
+    engine = TinyEngine(LIMITS, tiny_shape(method), torch.device("cpu"))
+    engine.load()
+    rows = context_rows()
+    positions = torch.cat([torch.arange(e - c, e) for e, c in zip(ENDS, COUNTS)])
+    output = engine.propose(
+        ProposeBatch(
+            num_speculative_tokens=K,
+            slots=SLOTS,
+            starts=STARTS,
+            ends=ENDS,
+            anchor_token_ids=ANCHORS,
+            counts=COUNTS,
+            positions=positions,
+            rows=rows,
+            want_logits=True,
+        )
+    )
+    weights = {name: value.double() for name, value in engine.w.items()}
+    expected = oracle(engine.shape, weights, rows.double(), K)
+    assert output.logits is not None
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(
+        output.logits.double(), expected, atol=1e-4 * scale, rtol=0
+    )
+    assert torch.equal(output.tokens, expected.argmax(-1))
