@@ -228,21 +228,17 @@ def test_memory_plan_counts_kv_of_every_block():
 
 
 def test_memory_plan_counts_the_bytes_load_allocates():
-    engine = make_engine()
-    plan = engine.memory_plan()
-    assert plan.kv_bytes == engine.kv.nbytes
-    assert plan.prefix_cache_bytes == engine.cache.rows.nbytes
-    assert plan.weight_bytes == sum(w.nbytes for w in engine.w.values())
-
-
-def test_memory_plan_counts_a_cache_ring_per_retained_request():
-    # More retained requests (6) than batch rows (4): one ring per request.
+    # More retained requests (6) than batch rows (4): K/V and a cache ring
+    # per retained request.
     limits = dataclasses.replace(LIMITS, max_requests=6)
     engine = ReferenceEngine(
         limits, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
     )
     engine.load()
-    assert engine.memory_plan().prefix_cache_bytes == engine.cache.rows.nbytes
+    plan = engine.memory_plan()
+    assert plan.kv_bytes == engine.kv.nbytes
+    assert plan.prefix_cache_bytes == engine.cache.rows.nbytes
+    assert plan.weight_bytes == sum(w.nbytes for w in engine.w.values())
 
 
 class MisshapenEngine(ReferenceEngine):
