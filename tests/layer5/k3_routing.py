@@ -57,10 +57,14 @@ def make_builder(
     capability: tuple[int, int] | None = (9, 0),
     device: str = "cpu",
     non_causal: bool = False,
+    qk_rope_head_dim: int = 64,
+    is_cuda: bool = True,
 ) -> Any:
     """The builder of a tiny MLA model on a CUDA device of ``capability``
     (None: a platform other than CUDA), its tensors on ``device``;
-    ``non_causal``: the layer drafts non-causal multi-token blocks."""
+    ``non_causal``: the layer drafts non-causal multi-token blocks;
+    ``is_cuda=False``: a platform other than CUDA reporting ``capability``
+    (ROCm)."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.platforms import current_platform
@@ -91,7 +95,7 @@ def make_builder(
         q_lora_rank=None,
         kv_lora_rank=kv_lora_rank,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=64,
+        qk_rope_head_dim=qk_rope_head_dim,
         v_head_dim=16,
         prefill_backend=_Prefill(),
         dcp_manager=manager,
@@ -106,7 +110,9 @@ def make_builder(
         type(current_platform), "num_compute_units", classmethod(lambda c, d=0: 132)
     )
     monkeypatch.setattr(
-        type(current_platform), "is_cuda", lambda self: capability is not None
+        type(current_platform),
+        "is_cuda",
+        lambda self: is_cuda and capability is not None,
     )
     monkeypatch.setattr(
         type(current_platform),

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm.config")
 
-from k3_routing import make_builder, make_common, write_model_dir  # noqa: E402
+from k3_routing import LAYER, make_builder, make_common, write_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,7 @@ def test_other_batches_keep_upstream_path(
     # plans exist only for query_len 2..threshold
     assert builder.k3_verify.plan_for(2, 9) is None
     assert builder.k3_verify.plan_for(13, 4) is None
+    assert builder.k3_verify.plan_for(0, 4) is None
 
 
 def test_batch_with_zero_length_padding_keeps_upstream_path(
@@ -240,6 +241,139 @@ def test_row_capacity_is_checked_at_construction(
         )
 
 
+def test_rocm_reporting_hopper_capability_keeps_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MI300 reports capability 9.4 but is no CUDA device.
+    builder = make_builder(model_dir, monkeypatch, capability=(9, 4), is_cuda=False)
+    assert builder.k3_verify is None
+
+
+def test_eligibility_reads_the_builders_own_device(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Hopper device 0 beside an Ampere device 1: device 1's builder is not
+    # eligible.
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla import k3_fused_verify
+
+    config = make_builder(model_dir, monkeypatch).vllm_config
+    monkeypatch.setattr(
+        type(current_platform),
+        "get_device_capability",
+        classmethod(
+            lambda cls, device_id=0: DeviceCapability(9 if device_id == 0 else 8, 0)
+        ),
+    )
+    eligible = k3_fused_verify.fused_verify_eligible
+    assert eligible(config, [LAYER], torch.device("cuda", 0))
+    assert not eligible(config, [LAYER], torch.device("cuda", 1))
+
+
+def test_other_rope_dim_keeps_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert make_builder(model_dir, monkeypatch, qk_rope_head_dim=32).k3_verify is None
+
+
+def test_every_layer_of_the_builder_must_be_eligible(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.attention.backends.mla import k3_fused_verify
+
+    config = make_builder(model_dir, monkeypatch).vllm_config
+    ctx = config.compilation_config.static_forward_context
+    ctx["other"] = SimpleNamespace(kv_lora_rank=256, qk_rope_head_dim=64)
+    device = torch.device("cpu")
+    assert k3_fused_verify.fused_verify_eligible(config, [LAYER], device)
+    assert not k3_fused_verify.fused_verify_eligible(config, [LAYER, "other"], device)
+
+
+def _planner(builder: Any, **overrides: Any) -> Any:
+    """A planner of ``builder``'s config and spec, 128 heads, no DCP."""
+    from vllm.v1.attention.backends.mla import k3_fused_verify
+
+    kwargs = {
+        "num_heads": 128,
+        "max_query_len": 4,
+        "dcp_size": 1,
+        "cp_interleave": 1,
+        "sm_count": 132,
+        "max_splits": 256,
+        **overrides,
+    }
+    return k3_fused_verify.FusedVerifyPlanner(
+        builder.vllm_config, builder.kv_cache_spec, **kwargs
+    )
+
+
+@pytest.mark.parametrize("query_len", [1, 9])
+def test_planner_for_a_query_len_outside_2_to_8_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, query_len: int
+) -> None:
+    builder = make_builder(model_dir, monkeypatch)
+    with pytest.raises(ValueError, match=f"query_len {query_len} is outside 2..8"):
+        _planner(builder, max_query_len=query_len)
+
+
+def test_max_num_seqs_at_the_kernel_limit_builds(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builder = make_builder(model_dir, monkeypatch)
+    builder.vllm_config.scheduler_config.max_num_seqs = 65535
+    assert _planner(builder).capacities[-1] == 65535
+
+
+def test_power_of_two_max_num_seqs_is_one_capacity(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planner = make_builder(model_dir, monkeypatch, max_num_seqs=8).k3_verify
+    assert planner.capacities == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(("dcp", "interleave"), [(1, 1), (4, 16)])
+def test_each_plan_splits_the_rank_local_span_for_its_own_geometry(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, dcp: int, interleave: int
+) -> None:
+    # 128 heads, 16K tokens: the split count differs per capacity and per
+    # query_len (heads a tile), and under DCP the rank's span is shorter.
+    from vllm.v1.attention.ops import k3_fused_mla_verify as kernel
+
+    builder = make_builder(model_dir, monkeypatch, max_model_len=16384)
+    planner = _planner(builder, dcp_size=dcp, cp_interleave=interleave)
+    span = kernel.local_kv_len(16384, dcp, 0, interleave)
+    for query_len, plans in planner.plans.items():
+        for plan in plans:
+            want = kernel.choose_num_kv_splits(plan.capacity, 128, query_len, span, 132)
+            assert plan.num_kv_splits == want, plan
+            assert (plan.dcp_size, plan.cp_interleave) == (dcp, interleave)
+    # The checks above tell the geometries apart: the splits differ per
+    # capacity, per query_len, and between the local and the global span.
+    first = planner.plans[2][0]
+    assert len({p.num_kv_splits for p in planner.plans[2]}) > 1
+    if dcp == 1:
+        assert first.num_kv_splits != planner.plans[4][0].num_kv_splits
+    else:
+        assert first.num_kv_splits != kernel.choose_num_kv_splits(1, 128, 2, 16384, 132)
+
+
+def test_builder_plans_count_the_heads_gathered_under_dcp(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 4 heads a rank x DCP 8 = 32 heads: two head tiles of 16 at query_len 4,
+    # which halves the splits that fill the device.
+    from vllm.v1.attention.ops import k3_fused_mla_verify as kernel
+
+    planner = make_builder(
+        model_dir, monkeypatch, dcp=8, max_model_len=131072
+    ).k3_verify
+    span = kernel.local_kv_len(131072, 8, 0, 1)
+    plan = planner.plan_for(2, 4)
+    assert plan.num_kv_splits == kernel.choose_num_kv_splits(2, 32, 4, span, 132)
+    assert plan.num_kv_splits != kernel.choose_num_kv_splits(2, 4, 4, span, 132)
+
+
 @pytest.mark.subprocess_only
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -254,17 +388,22 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
     # fp16 stands in for bf16, which the interpreter (numpy) cannot compute.
     # The fp8 e4m3 cache carries a scale other than one: the routed call must
     # hand the kernel the layer's k_scale.
+    # The DCP 2 interleave 2 case owns the same counts as interleave 1 but
+    # other tokens: the routed call must hand the kernel the interleave.
     cases = [
-        (1, torch.float16, 1.0),
-        (2, torch.float16, 1.0),
-        (2, torch.float8_e4m3fn, 0.05),
+        (1, torch.float16, 1.0, 1),
+        (2, torch.float16, 1.0, 1),
+        (2, torch.float16, 1.0, 2),
+        (2, torch.float8_e4m3fn, 0.05, 1),
     ]
-    for dcp, kv_dtype, k_scale in cases:
-        builder = make_builder(model_dir, monkeypatch, dcp=dcp, max_num_seqs=4)
+    for dcp, kv_dtype, k_scale, interleave in cases:
+        builder = make_builder(
+            model_dir, monkeypatch, dcp=dcp, interleave=interleave, max_num_seqs=4
+        )
         seq_lens, qlen = [5, 40], 3
         # Under DCP the step carries this rank's shares as well (the kernel
         # must be given the global lengths).
-        local = [kernel.local_kv_len(n, dcp, dcp - 1, 1) for n in seq_lens]
+        local = [kernel.local_kv_len(n, dcp, dcp - 1, interleave) for n in seq_lens]
         assert dcp == 1 or local == [2, 20]
         common = make_common(seq_lens, [qlen] * 2, 16, local_seq_lens=local)
         meta = builder.build(0, common)
@@ -277,7 +416,10 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
         impl.scale, impl.dcp_rank, impl.kv_lora_rank = 0.05, dcp - 1, 512
         impl.dcp_world_size = dcp
         layer = SimpleNamespace(_k_scale=torch.tensor([k_scale]))
-        o, lse = impl.forward_mqa(q, kv, meta, layer)
+        # Without DCP the query comes as (latent, rope) halves, as upstream's
+        # forward passes it.
+        q_in = (q[..., :512], q[..., 512:]) if dcp == 1 else q
+        o, lse = impl.forward_mqa(q_in, kv, meta, layer)
         ref_o = torch.empty_like(o)
         ref_lse = torch.empty_like(lse)
         is_fp8 = kv_dtype == torch.float8_e4m3fn
@@ -296,7 +438,7 @@ def test_routed_forward_equals_direct_kernel_call_interpreted(
             k_scale=torch.tensor([k_scale]) if is_fp8 else None,
             dcp_size=dcp,
             dcp_rank=dcp - 1,
-            cp_interleave=1,
+            cp_interleave=interleave,
         )
         torch.testing.assert_close(o, ref_o, rtol=0, atol=0)
         torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
