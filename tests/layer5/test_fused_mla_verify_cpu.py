@@ -56,30 +56,49 @@ def _call(ops, **overrides):
         ({"q": torch.zeros(8, 16, 512, dtype=torch.bfloat16)}, "q must be"),
         ({"q": torch.zeros(8, 16, 576)}, "bfloat16 or float16"),
         ({"q": torch.zeros(6, 16, 576, dtype=torch.bfloat16)}, "q has 6 rows"),
+        (
+            {"q": torch.zeros(8, 16, 1152, dtype=torch.bfloat16)[:, :, ::2]},
+            "contiguous in its last",
+        ),
+        ({"q": torch.zeros(8, 0, 576, dtype=torch.bfloat16)}, "at least one head"),
         ({"query_len": 0}, "query_len must be"),
         ({"query_len": 17}, "query_len must be"),
         ({"kv_cache": torch.zeros(8, 16, 1, 576, dtype=torch.bfloat16)}, "kv_cache"),
         ({"kv_cache": torch.zeros(8, 16, 576, dtype=torch.float16)}, "must match q"),
         ({"kv_cache": torch.zeros(8, 16, 576, dtype=torch.float8_e4m3fn)}, "k_scale"),
+        (
+            {
+                "kv_cache": torch.zeros(8, 16, 576, dtype=torch.float8_e4m3fn),
+                "k_scale": torch.ones(2),
+            },
+            "k_scale",
+        ),
+        ({"kv_cache": torch.zeros(8, 0, 576, dtype=torch.bfloat16)}, "kv_cache"),
         ({"block_table": torch.zeros(2, 4, dtype=torch.int64)}, "block_table"),
         ({"block_table": torch.zeros(1, 4, dtype=torch.int32)}, "block_table"),
+        # Every other page: the kernel reads a row's pages at stride 1.
+        ({"block_table": torch.zeros(2, 8, dtype=torch.int32)[:, ::2]}, "columns"),
         ({"seq_lens": torch.zeros(2, dtype=torch.int64)}, "seq_lens"),
         # Every other length: the kernel reads seq_lens[req] at stride 1.
         ({"seq_lens": torch.zeros(4, dtype=torch.int32)[::2]}, "seq_lens"),
         ({"o": torch.zeros(8, 16, 576, dtype=torch.bfloat16)}, "o must be"),
+        ({"o": torch.zeros(8, 16, 512, dtype=torch.int32)}, "floating dtype"),
         ({"lse": torch.zeros(8, 16, dtype=torch.bfloat16)}, "lse must be"),
         ({"lse": torch.zeros(8, 15)}, "lse must be"),
         ({"workspace": torch.zeros(10)}, "workspace"),
+        ({"workspace": torch.zeros(2 * 8 * 16 * 3 * 513)[::2]}, "workspace"),
         (
             {"workspace": torch.zeros(8 * 16 * 3 * 513, dtype=torch.float64)},
             "workspace",
         ),
         ({"num_kv_splits": 0}, "num_kv_splits"),
+        ({"num_kv_splits": 1025}, "num_kv_splits"),
         ({"sm_scale": float("nan")}, "sm_scale"),
         ({"sm_scale": 0.0}, "sm_scale"),
         ({"dcp_size": 2, "dcp_rank": 2}, "dcp_rank"),
         ({"cp_interleave": 0}, "cp_interleave"),
         ({"num_valid_reqs": torch.tensor([1, 2], dtype=torch.int32)}, "num_valid"),
+        ({"num_valid_reqs": torch.tensor([1], dtype=torch.int64)}, "num_valid"),
         ({"o": torch.zeros(8, 16, 512, device="meta")}, "one device"),
     ],
 )
@@ -92,6 +111,40 @@ def test_workspace_one_element_short_is_rejected(fused_verify):
     need = fused_verify.workspace_numel(8, 16, 3)
     with pytest.raises(ValueError, match=f">= {need} elements"):
         _call(fused_verify, workspace=torch.zeros(need - 1))
+
+
+@pytest.mark.parametrize(("num_reqs", "ok"), [(65535, True), (65536, False)])
+def test_one_call_takes_up_to_65535_requests(fused_verify, num_reqs, ok):
+    # Meta tensors: shapes without memory. 65535 is CUDA's grid z limit.
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    args = {
+        "q": empty(num_reqs, 1, 576),
+        "kv_cache": empty(8, 16, 576),
+        "block_table": empty(num_reqs, 4, dtype=torch.int32),
+        "seq_lens": empty(num_reqs, dtype=torch.int32),
+        "o": empty(num_reqs, 1, 512),
+        "lse": empty(num_reqs, 1, dtype=torch.float32),
+        "workspace": empty(
+            fused_verify.workspace_numel(num_reqs, 1, 1), dtype=torch.float32
+        ),
+    }
+    kwargs = {
+        "query_len": 1,
+        "sm_scale": 0.1,
+        "num_kv_splits": 1,
+        "k_scale": None,
+        "dcp_size": 1,
+        "dcp_rank": 0,
+        "cp_interleave": 1,
+        "num_valid_reqs": None,
+    }
+    if ok:
+        assert fused_verify._validate(**args, **kwargs) == num_reqs
+    else:
+        with pytest.raises(ValueError, match="at most 65535"):
+            fused_verify._validate(**args, **kwargs)
 
 
 def test_workspace_numel_counts_partial_outputs_and_lses(fused_verify):
@@ -107,9 +160,10 @@ def test_fp8_cache_with_float64_scale_is_rejected(fused_verify):
         )
 
 
-def test_config_folding_too_many_rows_is_rejected(fused_verify):
+@pytest.mark.parametrize("heads_per_tile", [32, 0])
+def test_config_folding_too_many_rows_is_rejected(fused_verify, heads_per_tile):
     config = fused_verify.VerifyKernelConfig(
-        heads_per_tile=32, block_n=32, num_warps=8, num_stages=3
+        heads_per_tile=heads_per_tile, block_n=32, num_warps=8, num_stages=3
     )
     with pytest.raises(ValueError, match="heads_per_tile"):
         _call(fused_verify, config=config)
@@ -183,6 +237,53 @@ def test_gluon_kernel_runs_on_hopper_but_not_on_rocm(
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 4))
     assert fused_verify.runs_gluon_kernel(on_gpu, torch.bfloat16, 64) is gluon
+
+
+def _on_hopper(monkeypatch, cache, **fields):
+    """``cache`` as a Hopper CUDA tensor to the module's dispatch checks."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    view = {
+        "device": torch.device("cuda", 0),
+        "dtype": cache.dtype,
+        "shape": cache.shape,
+        "stride": cache.stride,
+        "element_size": cache.element_size,
+        "data_ptr": lambda: 0,
+    }
+    return SimpleNamespace(**{**view, **fields})
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "block_m", "gluon"),
+    [
+        (torch.bfloat16, 64, True),
+        (torch.float8_e4m3fn, 64, True),
+        (torch.float16, 64, False),  # neither the query's dtype nor fp8
+        (torch.bfloat16, 32, False),  # fewer than 64 folded rows
+    ],
+)
+def test_gluon_kernel_needs_query_or_fp8_cache_and_64_rows(
+    fused_verify, monkeypatch, kv_dtype, block_m, gluon
+):
+    cache = _on_hopper(monkeypatch, torch.zeros(4, 64, 576, dtype=kv_dtype))
+    assert fused_verify.runs_gluon_kernel(cache, torch.bfloat16, block_m) is gluon
+
+
+@pytest.mark.parametrize(("pages", "addressable"), [(2**25 - 1, True), (2**25, False)])
+def test_tma_addresses_fewer_than_2_31_token_rows(
+    fused_verify, monkeypatch, pages, addressable
+):
+    # 2^25 pages of 64 tokens are 2^31 rows, past TMA's int32 coordinates.
+    small = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    cache = _on_hopper(monkeypatch, small, shape=torch.Size((pages, 64, 576)))
+    assert (fused_verify._tma_box_rows(cache, 64) is not None) is addressable
+
+
+def test_tma_addresses_a_single_page_of_any_page_stride(fused_verify):
+    # One page: its distance to a next page is never used.
+    cache = torch.zeros(1, 80, 576, dtype=torch.bfloat16)[:, :64]
+    assert fused_verify._tma_box_rows(cache, 64) == 64
 
 
 @pytest.mark.parametrize(
@@ -318,6 +419,16 @@ def test_default_config_covers_heads_within_the_row_budget(
     assert query_len * config.heads_per_tile <= 64
 
 
+@pytest.mark.parametrize("query_len", range(1, 17))
+@pytest.mark.parametrize("heads", [12, 16, 96, 128])
+def test_default_config_balances_the_head_tiles(fused_verify, query_len, heads):
+    # The last tile is at most one head short of the others: no tile of
+    # mostly masked rows.
+    config = fused_verify.default_config(query_len, heads)
+    tiles = fused_verify.num_head_tiles(heads, config)
+    assert tiles * config.heads_per_tile - heads < tiles
+
+
 @pytest.mark.parametrize("num_reqs", [1, 2, 8, 32, 256])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_split_choice_fills_at_most_one_wave(fused_verify, num_reqs, heads):
@@ -331,6 +442,8 @@ def test_split_choice_fills_at_most_one_wave(fused_verify, num_reqs, heads):
 
 def test_short_contexts_get_fewer_splits(fused_verify):
     assert fused_verify.choose_num_kv_splits(1, 16, 4, 1024, H200_SMS) == 4
+    # No split of fewer than 256 tokens: 1023 tokens take 3.
+    assert fused_verify.choose_num_kv_splits(1, 16, 4, 1023, H200_SMS) == 3
     assert fused_verify.choose_num_kv_splits(1, 16, 4, 100, H200_SMS) == 1
 
 
