@@ -540,12 +540,17 @@ def test_refresh_refuses_a_mode_change_of_an_upstream_file_naming_it(
     assert "overlay" not in str(info.value)
 
 
-def test_refresh_after_apply_keeps_a_description_line_with_trailing_blanks(
-    filled: Synthetic,
+@pytest.mark.parametrize(
+    "more",
+    [" More detail.  \t\n", " .\n More detail.\n"],
+    ids=["line with trailing blanks", "paragraph break"],
+)
+def test_refresh_after_apply_keeps_the_description_as_written(
+    filled: Synthetic, more: str
 ) -> None:
     patch = filled.root / "patches/0001-layer-1.patch"
     text = patch.read_text().replace(
-        "Description: Layer 1.\n", "Description: Layer 1.\n More detail.  \t\n"
+        "Description: Layer 1.\n", f"Description: Layer 1.\n{more}"
     )
     patch.write_text(text)
     filled.apply()
@@ -840,19 +845,6 @@ def test_an_sdist_with_two_top_level_folders_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StackError, match="two.tar.gz: expected one top-level folder"):
         extract_sdist(sdist, tmp_path / "out")
     assert not list((tmp_path / "out").iterdir())
-
-
-def test_refresh_and_apply_keep_a_description_paragraph_break(
-    filled: Synthetic,
-) -> None:
-    patch = filled.root / "patches/0001-layer-1.patch"
-    text = patch.read_text().replace(
-        "Description: Layer 1.\n", "Description: Layer 1.\n .\n More detail.\n"
-    )
-    patch.write_text(text)
-    filled.apply()
-    assert refresh(filled.stack(), filled.tree) == []
-    assert patch.read_text() == text
 
 
 def test_refresh_refuses_a_merge_commit_on_top_of_upstream(filled: Synthetic) -> None:
