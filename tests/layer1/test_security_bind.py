@@ -6,10 +6,17 @@ import logging
 import threading
 
 import pytest
+import zmq.auth
 from k3_layer1_server import free_tcp_port
 
 from vllm.entrypoints.k3_dspark_standalone import parse_args, run
-from vllm.k3_draft.security import BindRefused, bind_scope, check_bind, warn_if_unsafe
+from vllm.k3_draft.security import (
+    BindRefused,
+    CurveConfig,
+    bind_scope,
+    check_bind,
+    warn_if_unsafe,
+)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +67,13 @@ def test_non_loopback_bind_is_allowed_with_the_unsafe_flag():
     check_bind("tcp://10.1.2.3:5555", None, allow_unsafe_remote_rpc=True)
 
 
+@pytest.mark.parametrize("address", ["tcp://10.1.2.3:5555", "tcp://*:5555"])
+def test_non_loopback_and_wildcard_binds_are_allowed_with_curve_keys(address, tmp_path):
+    _, secret = zmq.auth.create_certificates(tmp_path, "server")
+    curve = CurveConfig(str(secret), str(tmp_path))
+    check_bind(address, curve, allow_unsafe_remote_rpc=False)
+
+
 @pytest.mark.parametrize(
     "address",
     [
@@ -67,6 +81,7 @@ def test_non_loopback_bind_is_allowed_with_the_unsafe_flag():
         "pgm://eth0;239.0.0.1:5",
         "tcp://127.0.0.1",
         "tcp://127.0.0.1:70000",
+        "tcp://127.0.0.1:65536",
         "127.0.0.1:5555",
         "tcp://:5555",
         "tcp://127.0.0.1:\u0665\u0665",  # digits, but not ASCII ones
