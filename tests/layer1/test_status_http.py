@@ -3,6 +3,7 @@
 """HTTP status endpoints."""
 
 import json
+import logging
 import socket
 import struct
 import time
@@ -47,12 +48,33 @@ def test_readyz_is_503_until_ready(loading_status):
     assert get(url + "/readyz")[0] == 200
 
 
+def test_readyz_is_503_again_once_not_ready(loading_status):
+    state, url = loading_status
+    state.set_ready(True)
+    state.set_ready(False)
+    assert get(url + "/readyz")[0] == 503
+
+
 def test_status_reports_the_loading_phase(loading_status):
     _, url = loading_status
     assert json.loads(get(url + "/v1/status")[1]) == {
         "phase": "loading",
         "ready": False,
     }
+
+
+def test_status_reports_the_serving_phase_once_ready(loading_status):
+    state, url = loading_status
+    state.set_ready(True)
+    assert json.loads(get(url + "/v1/status")[1]) == {
+        "phase": "serving",
+        "ready": True,
+    }
+
+
+def test_a_query_string_does_not_change_the_endpoint(loading_status):
+    _, url = loading_status
+    assert get(url + "/healthz?probe=1")[0] == 200
 
 
 def test_unknown_path_is_404(loading_status):
@@ -79,6 +101,13 @@ def test_status_counts_proposals_and_errors(draft_server, raw_client):
     assert set(after["last_timing_ms"]) >= {"decode", "context", "query", "total"}
 
 
+def test_metrics_report_not_ready_while_loading(loading_status):
+    _, url = loading_status
+    code, body = get(url + "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert code == 200 and families["k3_draft_ready"].samples[0].value == 0.0
+
+
 def test_metrics_are_prometheus_text(draft_server, raw_client):
     raw_client.call("PING")
     code, body = draft_server.http("/metrics")
@@ -87,6 +116,28 @@ def test_metrics_are_prometheus_text(draft_server, raw_client):
     requests = {s.labels["op"]: s.value for s in families["k3_draft_requests"].samples}
     assert requests["PING"] >= 1
     assert "k3_draft_propose_latency_ms" in families
+
+
+def test_metrics_count_what_the_status_counts(draft_server, raw_client):
+    raw_client.call("PING")
+    raw_client.call("PING")
+    raw_client.call("CLEAR")
+    raw_client.send_frames(propose_message([entry("m", 4, 4, reset=True)], 2, WIDTH))
+    status = json.loads(draft_server.http("/v1/status")[1])
+    body = draft_server.http("/metrics")[1].decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    requests = {
+        s.labels["op"]: s.value
+        for s in families["k3_draft_requests"].samples
+        if s.name == "k3_draft_requests_total"
+    }
+    assert requests == status["requests_by_op"]
+    latency = {
+        s.labels["le"]: s.value
+        for s in families["k3_draft_propose_latency_ms"].samples
+        if s.name.endswith("_bucket")
+    }
+    assert latency["+Inf"] == status["latency_ms"]["count"] >= 1
 
 
 def request(url: str, method: str) -> tuple[int, dict[str, str], bytes]:
@@ -117,7 +168,21 @@ def test_other_methods_are_405_with_the_allowed_ones(loading_status, method):
     assert (code, headers.get("Allow")) == (405, "GET, HEAD")
 
 
-def test_a_client_that_hangs_up_early_leaves_no_traceback(loading_status, capfd):
+def test_head_sends_no_body_on_the_wire(loading_status):
+    _, url = loading_status
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"HEAD /healthz HTTP/1.0\r\n\r\n")
+        client.settimeout(5)
+        reply = b""
+        while chunk := client.recv(4096):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 200") and reply.endswith(b"\r\n\r\n")
+
+
+def test_a_client_that_hangs_up_early_leaves_no_traceback(
+    loading_status, capfd, caplog
+):
     _, url = loading_status
     port = int(url.rsplit(":", 1)[1])
     for _ in range(20):
@@ -130,6 +195,7 @@ def test_a_client_that_hangs_up_early_leaves_no_traceback(loading_status, capfd)
     time.sleep(0.5)
     assert get(url + "/healthz")[0] == 200
     assert "Traceback" not in capfd.readouterr().err
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_an_idle_connection_is_closed_after_the_request_timeout():
