@@ -6,6 +6,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from k3_layer1_server import free_tcp_port
 from zmq.auth.thread import AuthenticationThread
 
 from vllm.entrypoints.k3_dspark_standalone import (
+    check_free_after_capture,
     check_memory_plan,
     check_memory_used,
     parse_args,
@@ -92,6 +94,16 @@ def test_counts_must_be_positive_integers(flag, value, capsys):
     assert flag in refused([flag, value], capsys)
 
 
+def test_the_smallest_count_is_accepted():
+    args = parse_args(BASE + ["--max-speculative-tokens", "1"])
+    assert args.limits.max_speculative_tokens == 1
+
+
+def test_the_largest_int64_seed_is_accepted():
+    args = parse_args(BASE + ["--seed", str(2**63 - 1)])
+    assert args.reference.seed == 2**63 - 1
+
+
 @pytest.mark.parametrize(
     "flag",
     [
@@ -153,6 +165,10 @@ def test_a_device_index_torch_would_wrap_around_is_refused(device, capsys):
     assert f"'{device}': device index out of range" in refused(
         ["--device", device], capsys
     )
+
+
+def test_a_device_type_other_than_cpu_or_cuda_is_refused(capsys):
+    assert "device type meta unsupported" in refused(["--device", "meta"], capsys)
 
 
 def test_reference_engine_refuses_production_flags(tmp_path, capsys):
@@ -313,6 +329,32 @@ def test_cuda_memory_reserved_within_the_limit_passes(monkeypatch):
     check_memory_used(torch.device("cuda", 0), 3.0)
 
 
+def test_memory_plan_one_byte_over_the_limit_is_refused():
+    args = parse_args(BASE)
+    engine = ReferenceEngine(args.limits, args.reference, args.device)
+    needed = engine.memory_plan().total
+    with pytest.raises(MemoryError):
+        check_memory_plan(engine, (needed - 1) / GiB)
+
+
+def _free(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
+    """What torch reports as the free CUDA memory (no GPU here)."""
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (int(gib * GiB), 80 * GiB)
+    )
+
+
+def test_cuda_free_memory_below_the_minimum_after_capture_is_refused(monkeypatch):
+    _free(monkeypatch, 0.5)
+    with pytest.raises(MemoryError, match="only 0.500 GiB free .* 1.0"):
+        check_free_after_capture(torch.device("cuda", 0), 1.0)
+
+
+def test_cuda_free_memory_above_the_minimum_after_capture_passes(monkeypatch):
+    _free(monkeypatch, 1.5)
+    check_free_after_capture(torch.device("cuda", 0), 1.0)
+
+
 def test_memory_plan_over_the_limit_is_refused():
     args = parse_args(
         BASE
@@ -372,6 +414,41 @@ def test_device_out_of_memory_during_start_up_is_refused_in_one_line(
     assert record.exc_info is None
 
 
+def test_a_checkpoint_the_engine_refuses_at_start_up_is_refused_in_one_line(
+    caplog, monkeypatch
+):
+    def load(self):
+        raise ValueError("draft checkpoint has no lm_head")
+
+    monkeypatch.setattr(ReferenceEngine, "load", load)
+    args = parse_args(
+        BASE + ["--status-port", str(free_tcp_port()), "--address", "inproc://never"]
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == "Refusing to serve: draft checkpoint has no lm_head"
+
+
+def test_a_transport_failure_after_start_up_ends_the_server_with_status_1(
+    tmp_path,
+):
+    path = tmp_path / "draft.ipc"
+    args = parse_args(
+        BASE + ["--status-port", str(free_tcp_port()), "--address", f"ipc://{path}"]
+    )
+    result: list[int] = []
+    server = threading.Thread(
+        target=lambda: result.append(run(args, threading.Event())), daemon=True
+    )
+    server.start()
+    while not path.exists() and server.is_alive():
+        time.sleep(0.05)
+    path.unlink()  # the socket file lost: no client can connect
+    server.join(timeout=60)
+    assert result == [1]
+
+
 def test_status_port_in_use_is_refused_in_one_line(caplog):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -425,6 +502,23 @@ def test_an_ipc_path_too_long_for_a_unix_socket_address_is_refused(tmp_path, cap
     assert "more than the 107 a Unix socket address holds" in err
 
 
+def test_an_ipv6_loopback_address_parses():
+    address = f"tcp://[::1]:{free_tcp_port()}"
+    assert parse_args(BASE + ["--address", address]).address == address
+
+
+def test_an_ipc_path_as_long_as_a_unix_socket_address_holds_binds(tmp_path):
+    path = tmp_path / ("x" * (107 - len(str(tmp_path)) - 1))
+    assert len(str(path)) == 107
+    args = parse_args(BASE + ["--address", f"ipc://{path}"])
+    context = zmq.Context()
+    try:
+        with context.socket(zmq.REP) as server:
+            server.bind(args.address)
+    finally:
+        context.term()
+
+
 @pytest.mark.parametrize(
     "address, reason",
     [
@@ -469,3 +563,27 @@ def test_curve_key_gone_before_bind_is_refused_in_one_line(tmp_path, caplog):
     assert "Traceback" not in caplog.text
     # The ZAP authenticator started for the socket was stopped with it.
     assert not [t for t in threading.enumerate() if isinstance(t, AuthenticationThread)]
+
+
+def test_a_stop_requested_before_start_up_ends_it_before_loading(monkeypatch):
+    loaded = []
+    monkeypatch.setattr(ReferenceEngine, "load", lambda self: loaded.append(self))
+    args = parse_args(
+        BASE + ["--status-port", str(free_tcp_port()), "--address", "inproc://never"]
+    )
+    stop = threading.Event()
+    stop.set()
+    assert run(args, stop) == 0
+    assert loaded == []
+
+
+def test_a_server_stopped_during_start_up_releases_its_status_port():
+    port = free_tcp_port()
+    args = parse_args(
+        BASE + ["--status-port", str(port), "--address", "inproc://never"]
+    )
+    stop = threading.Event()
+    stop.set()
+    assert run(args, stop) == 0
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
