@@ -7,6 +7,8 @@ import zmq
 import zmq.auth
 from k3_layer1_server import DraftServerProcess, RawClient, free_tcp_port
 
+from vllm.k3_draft.security import CurveConfig, secure_socket
+
 _FAIL_TIMEOUT_MS = 1500
 
 
@@ -75,3 +77,20 @@ def test_server_keeps_serving_authorized_clients_after_refusals(curve_server, ke
         ping(curve_server, None, _FAIL_TIMEOUT_MS)
     public, secret = keys["client"]
     assert ping(curve_server, (public, secret, keys["server"][0]))["ok"]
+
+
+def test_authorized_keys_gone_before_bind_refuse_the_curve_socket(tmp_path):
+    """The directory read at parse time may be emptied before the bind."""
+    (tmp_path / "clients").mkdir()
+    _, secret = zmq.auth.create_certificates(str(tmp_path), "server")
+    curve = CurveConfig(str(secret), str(tmp_path / "clients"))
+    context = zmq.Context()
+    socket = context.socket(zmq.REP)
+    try:
+        with pytest.raises(ValueError, match="no client certificate"):
+            authenticator = secure_socket(context, socket, curve)
+            if authenticator is not None:  # not refused: stop its thread
+                authenticator.stop()
+    finally:
+        socket.close(linger=0)
+        context.term()

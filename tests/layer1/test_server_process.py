@@ -144,6 +144,41 @@ class _LargeReplyServer:
         return [b'{"ok": true}', memoryview(self.frame)]
 
 
+class _LargeHeaderServer:
+    """What the transport sees of a draft server whose header limit is above
+    its context-row frame at full staging."""
+
+    limits = SimpleNamespace(max_context_tokens=8)
+    engine = SimpleNamespace(spec=SimpleNamespace(context_width=8))
+    max_header_bytes = 4 << 20
+
+    def handle(self, frames):
+        return [b'{"ok": true}']
+
+
+def test_a_header_within_the_servers_header_limit_reaches_the_server(tmp_path):
+    address = f"ipc://{tmp_path}/draft.ipc"
+    transport = RpcTransport(_LargeHeaderServer(), address, None)
+    transport.bind()
+    stop = threading.Event()
+    thread = threading.Thread(target=transport.serve, args=(stop, lambda: None))
+    thread.start()
+    context = zmq.Context()
+    client = context.socket(zmq.REQ)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        client.connect(address)
+        client.send(b" " * (2 << 20))
+        assert client.recv() == b'{"ok": true}'
+    finally:
+        client.close()
+        context.term()
+        stop.set()
+        thread.join()
+        transport.close()
+
+
 _STALLING_CLIENT = """
 import sys, time, zmq
 socket = zmq.Context().socket(zmq.REQ)
@@ -307,6 +342,39 @@ def test_a_removed_ipc_socket_file_ends_serve_with_the_error(tmp_path):
     transport.close()
     assert not thread.is_alive()
     assert "was removed; no client can connect" in str(failed[0])
+
+
+def test_a_replaced_ipc_socket_file_ends_serve_with_the_error(tmp_path):
+    path = tmp_path / "draft.ipc"
+    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
+    transport.bind()
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            transport.serve(threading.Event(), lambda: None)
+        except SocketFileLost as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    other = tmp_path / "other"
+    other.write_text("another file\n")
+    os.replace(other, path)
+    thread.join(timeout=30)
+    transport.close()
+    assert not thread.is_alive()
+    assert "was replaced; no client can connect" in str(failed[0])
+
+
+def test_an_abstract_ipc_address_binds_without_a_socket_file():
+    address = f"ipc://@k3-draft-test-{os.getpid()}-{time.monotonic_ns()}"
+    transport = RpcTransport(_LargeReplyServer(), address, None)
+    try:
+        transport.bind()
+        assert transport.endpoint == address
+    finally:
+        transport.close()
 
 
 def test_a_stopped_server_leaves_the_socket_file_of_a_later_bind(tmp_path):
