@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
+import zmq.auth
 from k3_layer1_server import (
     DEFAULT_OPTIONS,
     DraftServerProcess,
@@ -30,7 +31,7 @@ from vllm.entrypoints.k3_dspark_rpc import RpcTransport, SocketFileLost
 from vllm.k3_draft import protocol
 from vllm.k3_draft.engine import DraftLimits
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
-from vllm.k3_draft.security import BindRefused
+from vllm.k3_draft.security import BindRefused, CurveConfig
 from vllm.k3_draft.server import DraftServer
 
 WIDTH = DEFAULT_OPTIONS["context_width"]
@@ -179,11 +180,24 @@ def test_a_header_within_the_servers_header_limit_reaches_the_server(tmp_path):
         transport.close()
 
 
+# With CURVE keys (client public, client secret, server public) the client is
+# a DEALER with two requests in flight: CURVE encrypts a reply into a copy as
+# soon as ZeroMQ takes it, so only a reply queued behind one the stopped
+# client does not read stays unsent.
 _STALLING_CLIENT = """
 import sys, time, zmq
-socket = zmq.Context().socket(zmq.REQ)
+curve = len(sys.argv) > 2
+socket = zmq.Context().socket(zmq.DEALER if curve else zmq.REQ)
+if curve:
+    public, secret, server = (key.encode() for key in sys.argv[2:])
+    socket.curve_publickey, socket.curve_secretkey = public, secret
+    socket.curve_serverkey = server
 socket.connect(sys.argv[1])
-socket.send(b"request")
+if curve:
+    socket.send_multipart([b"", b"request"])
+    socket.send_multipart([b"", b"request"])
+else:
+    socket.send(b"request")
 time.sleep(0.3)  # ZeroMQ's I/O thread sends it
 print("sent", flush=True)
 time.sleep(3600)
@@ -192,17 +206,19 @@ time.sleep(3600)
 
 @contextlib.contextmanager
 def _serving_past_a_stalled_client(
-    transport: RpcTransport,
+    transport: RpcTransport, curve: tuple[bytes, bytes, bytes] | None = None
 ) -> Iterator[threading.Thread]:
     """Serve ``transport`` (bound) in the thread yielded, while a client whose
-    request it received stops taking the reply; then stop and close it."""
+    request it received (with the CURVE keys ``curve``: client public, client
+    secret, server public) stops taking the reply; then stop and close it."""
     assert transport.socket is not None
     endpoint = transport.socket.getsockopt_string(zmq.LAST_ENDPOINT)
     stop = threading.Event()
     served = threading.Thread(target=transport.serve, args=(stop, lambda: None))
     served.start()
     stalled = subprocess.Popen(
-        [sys.executable, "-c", _STALLING_CLIENT, endpoint],
+        [sys.executable, "-c", _STALLING_CLIENT, endpoint]
+        + [key.decode() for key in curve or ()],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -220,16 +236,23 @@ def _serving_past_a_stalled_client(
         transport.close()
 
 
-def _answered(endpoint: str) -> bool:
-    """Whether a healthy client on ``endpoint`` gets its reply: its first
-    request may go with the dropped connections; like the verifier's client
-    it renews and retries."""
+def _answered(
+    endpoint: str,
+    curve: tuple[bytes, bytes, bytes] | None = None,
+    timeout_ms: int = 5000,
+) -> bool:
+    """Whether a healthy client on ``endpoint`` (with the CURVE keys
+    ``curve``) gets its reply: its first request may go with the dropped
+    connections; like the verifier's client it renews and retries."""
     context = zmq.Context()
     answered = False
     for _ in range(2):
         client = context.socket(zmq.REQ)
         client.setsockopt(zmq.LINGER, 0)
-        client.setsockopt(zmq.RCVTIMEO, 5000)
+        client.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        if curve is not None:
+            client.curve_publickey, client.curve_secretkey = curve[:2]
+            client.curve_serverkey = curve[2]
         client.connect(endpoint)
         client.send(b"request")
         with contextlib.suppress(zmq.Again):
@@ -262,6 +285,29 @@ def test_a_wildcard_address_keeps_its_endpoint_past_a_stalled_client(address):
     endpoint = transport.socket.getsockopt_string(zmq.LAST_ENDPOINT)
     with _serving_past_a_stalled_client(transport):
         assert _answered(endpoint)
+
+
+def test_the_socket_bound_again_past_a_stalled_client_keeps_curve(tmp_path):
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    _, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    _, client_secret = zmq.auth.create_certificates(authorized, "client")
+    server_public, _ = zmq.auth.load_certificate(server_secret)
+    public, secret = zmq.auth.load_certificate(client_secret)
+    assert secret is not None
+    keys = (public, secret, server_public)
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    curve = CurveConfig(str(server_secret), str(authorized))
+    transport = RpcTransport(
+        _LargeReplyServer(), address, curve, reply_send_timeout_s=1.0
+    )
+    transport.bind()
+    first = transport.socket
+    with _serving_past_a_stalled_client(transport, keys):
+        # The authorized client's request makes the server bind again.
+        assert _answered(address, keys)
+        assert transport.socket is not first
+        assert not _answered(address, None, timeout_ms=1500)
 
 
 def test_a_stopped_server_removes_the_directory_of_its_ipc_wildcard():
