@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -369,48 +370,38 @@ def test_a_stopped_server_removes_its_ipc_socket_file(draft_server_factory):
     assert not os.path.exists(path)
 
 
-def test_a_removed_ipc_socket_file_ends_serve_with_the_error(tmp_path):
-    path = tmp_path / "draft.ipc"
-    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
-    transport.bind()
-    failed: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            transport.serve(threading.Event(), lambda: None)
-        except SocketFileLost as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+def _remove(path: Path) -> None:
     path.unlink()
-    thread.join(timeout=30)
-    transport.close()
-    assert not thread.is_alive()
-    assert "was removed; no client can connect" in str(failed[0])
 
 
-def test_a_replaced_ipc_socket_file_ends_serve_with_the_error(tmp_path):
-    path = tmp_path / "draft.ipc"
-    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
-    transport.bind()
-    failed: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            transport.serve(threading.Event(), lambda: None)
-        except SocketFileLost as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    other = tmp_path / "other"
+def _replace(path: Path) -> None:
+    other = path.with_name("other")
     other.write_text("another file\n")
     os.replace(other, path)
+
+
+@pytest.mark.parametrize(
+    ("lose", "how"), [(_remove, "removed"), (_replace, "replaced")]
+)
+def test_a_lost_ipc_socket_file_ends_serve_with_the_error(tmp_path, lose, how):
+    path = tmp_path / "draft.ipc"
+    transport = RpcTransport(_LargeReplyServer(), f"ipc://{path}", None)
+    transport.bind()
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            transport.serve(threading.Event(), lambda: None)
+        except SocketFileLost as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    lose(path)
     thread.join(timeout=30)
     transport.close()
     assert not thread.is_alive()
-    assert "was replaced; no client can connect" in str(failed[0])
+    assert f"was {how}; no client can connect" in str(failed[0])
 
 
 def test_an_abstract_ipc_address_binds_without_a_socket_file():
