@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from vllm.k3_draft.engine import DraftLimits, ProposeBatch
-from vllm.k3_draft.reference_engine import DraftShape, TorchDraftEngine
+from vllm.k3_draft.reference_engine import (
+    DraftShape,
+    ReferenceEngine,
+    TorchDraftEngine,
+)
 
 LIMITS = DraftLimits(
     max_requests=2,
@@ -47,16 +51,11 @@ def tiny_shape(method: str) -> DraftShape:
 
 
 class TinyEngine(TorchDraftEngine):
-    def host_weights(self) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(3)
-        weights = {}
-        for name, size in self.shape.weight_shapes().items():
-            value = torch.randn(size, generator=generator)
-            if "norm" in name:
-                weights[name] = 1.0 + 0.2 * value
-            else:
-                weights[name] = value / size[-1] ** 0.5
-        return weights
+    """``tiny_shape`` (GQA, which the reference config never has) with the
+    reference draft's seeded random weights."""
+
+    seed = 3
+    host_weights = ReferenceEngine.host_weights
 
 
 def context_rows() -> torch.Tensor:
