@@ -122,6 +122,16 @@ class Synthetic:
             upto,
         )
 
+    def take_back(self, message: str, today: dt.date | None = None) -> None:
+        """Refresh the work tree's layers into the checkout and commit them
+        there with ``message`` (``today``: the Last-Update date refresh
+        writes)."""
+        from k3stack.refresh import refresh
+
+        refresh(self.stack(), self.tree, today=today)
+        git(self.root, "add", "-A")
+        git(self.root, "commit", "-q", "-m", message)
+
     def amend(self, n: int, edit: dict[str, str], delete: tuple[str, ...] = ()) -> None:
         """Change layer ``n``'s commit in the work tree, as a maintainer would."""
         git(self.tree, "checkout", "-q", f"layer-{n}")
@@ -180,7 +190,6 @@ def synthetic(tmp_path: Path) -> Synthetic:
 def filled(synthetic: Synthetic) -> Synthetic:
     """Layers with real content: diffs of upstream files and overlay files,
     written by a maintainer's amend and taken back by refresh."""
-    from k3stack.refresh import refresh
 
     envs = UPSTREAM_FILES["vllm/envs.py"].replace("SETTING_5 = 5\n", "SETTING_5 = 55\n")
     synthetic.amend(1, {"vllm/envs.py": envs, "vllm/remote/__init__.py": "PORT = 1\n"})
@@ -191,7 +200,5 @@ def filled(synthetic: Synthetic) -> Synthetic:
     synthetic.amend(2, {"vllm/model.py": model, "vllm/logits.py": "TOPK = 64\n"})
     # A fixed date: a later refresh's Last-Update bump must not depend on
     # the day the tests run.
-    refresh(synthetic.stack(), synthetic.tree, today=dt.date(2026, 11, 2))
-    git(synthetic.root, "add", "-A")
-    git(synthetic.root, "commit", "-q", "-m", "fill layers")
+    synthetic.take_back("fill layers", today=dt.date(2026, 11, 2))
     return synthetic

@@ -754,18 +754,11 @@ def test_a_change_to_a_last_line_without_newline_keeps_it_without() -> None:
     assert apply_exact(b"A = 1\nB = 2", patch) == b"A = 1\nB = 3"
 
 
-def commit_refresh(syn: Synthetic, message: str) -> None:
-    """Take the tree's layers back into the checkout and commit them."""
-    refresh(syn.stack(), syn.tree, today=dt.date(2026, 11, 3))
-    git(syn.root, "add", "-A")
-    git(syn.root, "commit", "-q", "-m", message)
-
-
 def test_a_layer_that_deletes_an_upstream_file_applies_as_that_deletion(
     filled: Synthetic,
 ) -> None:
     filled.amend(3, {}, delete=("vllm/model.py",))
-    commit_refresh(filled, "layer 3 deletes model.py")
+    filled.take_back("layer 3 deletes model.py", today=dt.date(2026, 11, 3))
     filled.apply()
     assert not (filled.tree / "vllm/model.py").exists()
     assert git(filled.tree, "ls-tree", "layer-3", "vllm/model.py") == ""

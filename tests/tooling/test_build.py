@@ -24,7 +24,6 @@ from k3stack import StackError
 from k3stack.artifacts import STAGING_PREFIX, BuildResult, build, docker_build
 from k3stack.fetch import sha256_file
 from k3stack.gitutil import git
-from k3stack.refresh import refresh
 
 BUILD = Path(__file__).resolve().parents[2] / "build"
 INSTALLER = BUILD / "k3stack" / "install.py"
@@ -67,9 +66,7 @@ def test_two_builds_in_different_processes_give_the_same_wheel_sha256(
     # Enough new files that two hash seeds would order a set of them apart.
     new = {f"vllm/k3_{name}.py": f"NAME = {name!r}\n" for name in "abcdefgh"}
     filled.amend(3, new)
-    refresh(filled.stack(), filled.tree, today=dt.date(2026, 11, 2))
-    git(filled.root, "add", "-A")
-    git(filled.root, "commit", "-q", "-m", "layer 3 adds files")
+    filled.take_back("layer 3 adds files", today=dt.date(2026, 11, 2))
     filled.apply()
     # UTC-12 and UTC+14: the two local dates differ whenever the builds run.
     first = build_in_a_child(filled, tmp_path / "a", seed="1", tz="WEST+12")
@@ -234,9 +231,7 @@ def test_no_docker_engine_is_said_in_one_line(tmp_path: Path, monkeypatch) -> No
 def shadow_a_wheel_file(synthetic: Synthetic) -> None:
     """Layer 1 adds a file at a path only the upstream wheel ships; applied."""
     synthetic.amend(1, {"vllm/_C.abi3.so": "not a binary\n"})
-    refresh(synthetic.stack(), synthetic.tree)
-    git(synthetic.root, "add", "-A")
-    git(synthetic.root, "commit", "-q", "-m", "overlay shadows a wheel file")
+    synthetic.take_back("overlay shadows a wheel file")
     synthetic.apply()
 
 
@@ -445,9 +440,7 @@ def test_the_self_check_accepts_bytecode_caches_beside_their_sources(
 def delete_model_in_layer_3(syn: Synthetic) -> None:
     """Layer 3 deletes the upstream file vllm/model.py; applied."""
     syn.amend(3, {}, delete=("vllm/model.py",))
-    refresh(syn.stack(), syn.tree, today=dt.date(2026, 11, 3))
-    git(syn.root, "add", "-A")
-    git(syn.root, "commit", "-q", "-m", "layer 3 deletes model.py")
+    syn.take_back("layer 3 deletes model.py", today=dt.date(2026, 11, 3))
 
 
 def test_the_wheel_leaves_out_a_file_a_layer_deletes(

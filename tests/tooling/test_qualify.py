@@ -31,7 +31,6 @@ from k3stack.qualify import (
     qualify_layer,
     read_junit,
 )
-from k3stack.refresh import refresh
 
 PYTHON = sys.executable
 
@@ -66,10 +65,17 @@ def qualify_layer_3(syn: Synthetic, tmp_path: Path, site0: Path) -> Row:
 
 def change_layer_3(syn: Synthetic, edit: dict[str, str]) -> None:
     syn.amend(3, edit)
-    refresh(syn.stack(), syn.tree)
-    git(syn.root, "add", "-A")
-    git(syn.root, "commit", "-q", "-m", "layer 3 changed")
+    syn.take_back("layer 3 changed")
     syn.apply()
+
+
+def layer_3_row_with_upstream_test(syn: Synthetic, tmp_path: Path, test: str) -> Row:
+    """Layer 3's row after layer 3 appends ``test`` to upstream's
+    tests/test_model.py."""
+    site0 = prepare(syn, tmp_path)
+    text = UPSTREAM_FILES["tests/test_model.py"] + "\n\n" + test
+    change_layer_3(syn, {"tests/test_model.py": text})
+    return qualify_layer_3(syn, tmp_path, site0)
 
 
 def with_upstream_test(syn: Synthetic, tmp_path: Path, name: str, text: str) -> Path:
@@ -101,11 +107,9 @@ def test_an_upstream_run_that_dies_fails_rather_than_reading_the_last_runs_xml(
 def test_an_upstream_run_that_is_interrupted_fails(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    site0 = prepare(filled, tmp_path)
-    test = UPSTREAM_FILES["tests/test_model.py"]
-    test += "\n\ndef test_stop():\n    raise KeyboardInterrupt\n"
-    change_layer_3(filled, {"tests/test_model.py": test})
-    row = qualify_layer_3(filled, tmp_path, site0)
+    row = layer_3_row_with_upstream_test(
+        filled, tmp_path, "def test_stop():\n    raise KeyboardInterrupt\n"
+    )
     assert not row.ok
     assert "upstream tests did not run to the end (pytest exit code 2)" in row.notes
 
@@ -119,9 +123,7 @@ def hub_test_and_step_one_broken(syn: Synthetic, tmp_path: Path) -> Row:
     site0 = prepare(syn, tmp_path, sdist)
     model = UPSTREAM_FILES["vllm/model.py"].replace("return 1\n", "return -1\n", 1)
     syn.amend(3, {"vllm/model.py": model})
-    refresh(syn.stack(), syn.tree)
-    git(syn.root, "add", "-A")
-    git(syn.root, "commit", "-q", "-m", "layer 3 breaks step_1")
+    syn.take_back("layer 3 breaks step_1")
     syn.apply(sdist=sdist)
     return qualify_layer_3(syn, tmp_path, site0)
 
@@ -297,11 +299,9 @@ def test_a_test_that_errored_reads_as_failed(tmp_path: Path) -> None:
 def test_a_new_upstream_test_that_fails_on_the_layer_is_a_regression(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    site0 = prepare(filled, tmp_path)
-    test = UPSTREAM_FILES["tests/test_model.py"]
-    test += "\n\ndef test_new():\n    assert False\n"
-    change_layer_3(filled, {"tests/test_model.py": test})
-    row = qualify_layer_3(filled, tmp_path, site0)
+    row = layer_3_row_with_upstream_test(
+        filled, tmp_path, "def test_new():\n    assert False\n"
+    )
     assert not row.ok
     assert "regression: tests.test_model::test_new" in row.notes
 

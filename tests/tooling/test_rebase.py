@@ -161,12 +161,8 @@ def test_write_pin_with_a_checkout_is_refused_before_any_work(tmp_path: Path) ->
 
 def refill(syn: Synthetic, n: int, edit: dict[str, str]) -> None:
     """Amend layer ``n`` with ``edit`` and take it back into the checkout."""
-    from k3stack.refresh import refresh
-
     syn.amend(n, edit)
-    refresh(syn.stack(), syn.tree, today=dt.date(2026, 11, 3))
-    git(syn.root, "add", "-A")
-    git(syn.root, "commit", "-q", "-m", f"amend layer {n}")
+    syn.take_back(f"amend layer {n}", today=dt.date(2026, 11, 3))
 
 
 def test_a_layer_whose_overlay_is_partly_upstream_already_lands_clean(
