@@ -419,6 +419,7 @@ def _gl_issue_tile(
     lat_desc,
     rope_desc,
     bt_row,
+    first_page,
     n0,
     end,
     bar,
@@ -429,8 +430,10 @@ def _gl_issue_tile(
     LATENT: gl.constexpr,
 ):
     """Start the TMA copy of the tile at ``n0`` (nothing if ``n0 >= end``);
-    ``bar`` completes when all of it has landed. Rows at or past ``end`` hold
-    whatever the cache holds there (page 0 where no page is mapped)."""
+    ``bar`` completes when all of it has landed. ``first_page`` is the page of
+    its first row (``_gl_first_page``, loaded ahead by the caller where that
+    saves a wait). Rows at or past ``end`` hold whatever the cache holds there
+    (page 0 where no page is mapped)."""
     ROWS: gl.constexpr = lat_desc.block_type.shape[0]
     live = n0 < end
     NBYTES: gl.constexpr = (BLOCK_N // ROWS) * (
@@ -439,12 +442,21 @@ def _gl_issue_tile(
     mbarrier.expect(bar, NBYTES, pred=live)
     for j in gl.static_range(BLOCK_N // ROWS):
         n = n0 + j * ROWS
-        page = gl.load(bt_row + n // PAGE_SIZE, mask=live & (n < end), other=0)
+        if j == 0:
+            page = first_page
+        else:
+            page = gl.load(bt_row + n // PAGE_SIZE, mask=live & (n < end), other=0)
         row = page * PAGE_SIZE + n % PAGE_SIZE
         _tma_load(lat_desc, [row, 0], bar, lat_buf.slice(j * ROWS, ROWS), pred=live)
         _tma_load(
             rope_desc, [row, LATENT], bar, rope_buf.slice(j * ROWS, ROWS), pred=live
         )
+
+
+@gluon.jit
+def _gl_first_page(bt_row, n0, end, PAGE_SIZE: gl.constexpr):
+    """The page of the tile at ``n0`` (0 if ``n0 >= end``)."""
+    return gl.load(bt_row + n0 // PAGE_SIZE, mask=n0 < end, other=0)
 
 
 @gluon.jit
@@ -464,16 +476,18 @@ def _gl_refill_after_pv(
     PAGE_SIZE: gl.constexpr,
     LATENT: gl.constexpr,
 ):
-    """Wait until the P.V product of tile ``it - 1`` (at ``n0`` is tile
-    ``it``) is done, so that its buffer and P are free, and start copying
-    tile ``it + NUM_BUF - 1`` into that buffer."""
+    """fp8: wait until the P.V product of tile ``it - 1`` (at ``n0`` is tile
+    ``it``) is done, so that the converted tile and P are free, and start
+    copying tile ``it + NUM_BUF - 1`` into that tile's buffer."""
     prev = (it - 1) % NUM_BUF
     mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
+    nxt = n0 + (NUM_BUF - 1) * BLOCK_N
     _gl_issue_tile(
         lat_desc,
         rope_desc,
         bt_row,
-        n0 + (NUM_BUF - 1) * BLOCK_N,
+        _gl_first_page(bt_row, nxt, end, PAGE_SIZE),
+        nxt,
         end,
         full.index(prev),
         kv_lat_s.index(prev),
@@ -526,16 +540,19 @@ def _gl_verify_split_kernel(
     warp-specialised warpgroups (launch with 4 warps: 12 run).
 
     The first (this kernel's own 4 warps) copies the queries (``cp.async``,
-    issued before any other load), issues the tile copies, computes the score
-    product of a tile (all 64 columns: the query is read once) and its
-    softmax (rows within one warpgroup), and hands P and the rescale factors
-    over in shared memory. The other two form one 8-warp partition, each
-    warpgroup holding half of the 512 output columns, and run the P.V
+    issued before any other load) and the first ``NUM_BUF`` tiles, computes
+    the score product of a tile (all 64 columns: the query is read once) and
+    its softmax (rows within one warpgroup), and hands P and the rescale
+    factors over in shared memory. The other two form one 8-warp partition,
+    each warpgroup holding half of the 512 output columns, and run the P.V
     product, so the score product of tile i overlaps the P.V product of tile
-    i-1. mbarriers: ``full[b]`` (tile landed), ``empty[b]`` (P.V of the tile
-    in buffer b done: the buffer and P are free), ``p_ready``, ``l_ready``.
-    An fp8 tile is converted to the query dtype in shared memory; ``k_scale``
-    scales the scores and the output.
+    i-1. A 16-bit tile's buffer is refilled by the P.V partition as soon as
+    its product is done (up to ``NUM_BUF`` copies in flight); an fp8 tile is
+    converted to the query dtype in shared memory by the first partition,
+    which then refills its buffer; ``k_scale`` scales the scores and the
+    output. mbarriers: ``full[b]`` (tile landed), ``empty[b]`` (P.V of the
+    tile in buffer b done: P, and for fp8 the converted tile, are free),
+    ``p_ready``, ``l_ready``.
     """
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
@@ -660,6 +677,7 @@ def _gl_verify_split_kernel(
             kv_lat_desc,
             kv_rope_desc,
             bt_row,
+            _gl_first_page(bt_row, start + j * BLOCK_N, end, PAGE_SIZE),
             start + j * BLOCK_N,
             end,
             full.index(j),
@@ -721,6 +739,14 @@ def _gl_verify_split_kernel(
             (
                 _gl_pv_partition,
                 (
+                    kv_lat_desc,
+                    kv_rope_desc,
+                    bt_row,
+                    full,
+                    start,
+                    end,
+                    PAGE_SIZE,
+                    kv_rope_s,
                     kv_lat_s,
                     k16_lat,
                     p_s,
@@ -790,7 +816,8 @@ def _gl_softmax_partition(
     LATENT: gl.constexpr,
     ROPE: gl.constexpr,
 ):
-    """Score products, softmax and tile copies (see the kernel)."""
+    """Score products, softmax, and fp8 tiles' conversion and copies (see
+    the kernel)."""
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = p_s.dtype
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -855,22 +882,9 @@ def _gl_softmax_partition(
                 q_rope_s, kv_rope_s.index(buf).permute((1, 0)), s_tok, is_async=True
             )
             if it > 0:
-                _gl_refill_after_pv(
-                    it,
-                    n0,
-                    end,
-                    kv_lat_desc,
-                    kv_rope_desc,
-                    bt_row,
-                    kv_lat_s,
-                    kv_rope_s,
-                    full,
-                    empty,
-                    BLOCK_N,
-                    NUM_BUF,
-                    PAGE_SIZE,
-                    LATENT,
-                )
+                # P is free once the P.V products of tile it-1 are done.
+                prev = (it - 1) % NUM_BUF
+                mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if n0 + BLOCK_N > end:
                 # TMA copies whole rows: what the cache holds past the end
@@ -917,6 +931,14 @@ def _gl_softmax_partition(
 
 @gluon.jit
 def _gl_pv_partition(
+    kv_lat_desc,
+    kv_rope_desc,
+    bt_row,
+    full,
+    start,
+    end,
+    PAGE_SIZE: gl.constexpr,
+    kv_rope_s,
     kv_lat_s,
     k16_lat,
     p_s,
@@ -940,8 +962,9 @@ def _gl_pv_partition(
     IS_FP8: gl.constexpr,
     LATENT: gl.constexpr,
 ):
-    """P.V products and the partial output; each of the partition's two
-    warpgroups holds half of the 512 output columns (see the kernel)."""
+    """P.V products, the refill of 16-bit tiles' buffers and the partial
+    output; each of the partition's two warpgroups holds half of the 512
+    output columns (see the kernel)."""
     BLOCK_M: gl.constexpr = 64
     O_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, LATENT // 2, 16]
@@ -950,11 +973,32 @@ def _gl_pv_partition(
     acc = gl.zeros([BLOCK_M, LATENT], gl.float32, O_L)
     for it in range(num_tiles):
         buf = it % NUM_BUF
+        nxt = start + (it + NUM_BUF) * BLOCK_N
+        if not IS_FP8:
+            # Loaded ahead: the copy of tile it + NUM_BUF starts right after
+            # the product without waiting for the block table.
+            page = _gl_first_page(bt_row, nxt, end, PAGE_SIZE)
         mbarrier.wait(p_ready, it & 1)
         acc = acc * gl.expand_dims(alpha_s.load(ROW_O), 1)
         v = k16_lat if IS_FP8 else kv_lat_s.index(buf)
         acc = warpgroup_mma(p_s, v, acc)
         _cta_barrier()
+        if not IS_FP8:
+            # The buffer is free: its next tile's copy starts now.
+            _gl_issue_tile(
+                kv_lat_desc,
+                kv_rope_desc,
+                bt_row,
+                page,
+                nxt,
+                end,
+                full.index(buf),
+                kv_lat_s.index(buf),
+                kv_rope_s.index(buf),
+                BLOCK_N,
+                PAGE_SIZE,
+                LATENT,
+            )
         mbarrier.arrive(empty.index(buf), count=1)
 
     mbarrier.wait(l_ready, 0)
