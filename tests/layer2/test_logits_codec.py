@@ -109,6 +109,37 @@ def test_odd_sized_topk_frame_is_unaligned_and_still_decodes():
     )
 
 
+@pytest.mark.parametrize("topk", [0, 5])
+def test_reply_entry_names_requests_then_slots_then_width(topk):
+    # Two requests of three slots: the shape's first two entries cannot be
+    # told apart when R == K.
+    logits = _logits()[:2]
+    positions = sample_positions(np.array([5, 61]), K, MAX_LEN)
+    meta, _ = encode_logits(logits, LogitsFormat(V, topk), positions)
+    count = 2 * K * (topk or V)
+    expected: dict[str, Any] = {
+        "dtype": "bf16",
+        "shape": [2, K, topk or V],
+        "nbytes": count * (6 if topk else 2),
+        "sample_positions": [[6, 7, 8], [62, 63, None]],
+    }
+    if topk:
+        expected.update(
+            ids_dtype="int32", values_nbytes=count * 2, ids_nbytes=count * 4
+        )
+    assert meta == expected
+
+
+def test_strided_engine_logits_are_sent_in_c_order():
+    wide = _logits().repeat_interleave(2, dim=-1)
+    wide[..., 1::2] = 0
+    logits = wide[..., ::2]  # every other column: the last stride is 2
+    assert not logits.is_contiguous()
+    fmt = LogitsFormat(V, 0)
+    meta, frame = _reply(fmt, logits)
+    assert np.array_equal(_decode(fmt, meta, [frame]).values, _bits(logits))
+
+
 # ---------------------------------------------------------------- refusals
 
 
@@ -330,9 +361,13 @@ def test_malformed_request_fields_are_refused(header):
         requested_format(header, V)
 
 
-def test_format_bounds():
+@pytest.mark.parametrize("vocab_size, topk", [(V, V + 1), (V, -1), (0, 0), (-1, 0)])
+def test_format_outside_its_bounds_is_refused(vocab_size, topk):
     with pytest.raises(ValueError, match="top-k"):
-        LogitsFormat(V, V + 1)
+        LogitsFormat(vocab_size, topk)
+
+
+def test_format_request_fields():
     assert LogitsFormat(V, 0).request_fields() == {"return_logits": True}
     assert LogitsFormat(V, 9).request_fields() == {
         "return_logits": True,
