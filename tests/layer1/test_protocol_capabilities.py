@@ -129,6 +129,61 @@ def test_extension_frames_refuses_unaccounted_frames():
         protocol.extension_frames(header, [b"a", b"b"])
 
 
+def test_extension_frames_split_the_frames_in_entry_order():
+    first = {"capability": "x", "num_frames": 1, "shape": [1]}
+    second = {"capability": "y", "num_frames": 2}
+    empty = {"capability": "z", "num_frames": 0}
+    header = {"extensions": [first, empty, second]}
+    assert protocol.extension_frames(header, [b"a", b"b", b"c"]) == {
+        "x": (first, [b"a"]),
+        "z": (empty, []),
+        "y": (second, [b"b", b"c"]),
+    }
+
+
+def test_extension_frames_refuses_entries_claiming_more_frames_than_sent():
+    header = {"extensions": [{"capability": "x", "num_frames": 2}]}
+    with pytest.raises(ProtocolError, match="entries account for 2"):
+        protocol.extension_frames(header, [b"a"])
+
+
+@pytest.mark.parametrize("extensions", [None, {"capability": "x"}, "x"])
+def test_extension_frames_refuses_extensions_that_are_not_a_list(extensions):
+    with pytest.raises(ProtocolError, match="not a list"):
+        protocol.extension_frames({"extensions": extensions}, [])
+
+
+@pytest.mark.parametrize("entry", [["x", 1], None])
+def test_extension_frames_refuses_an_entry_that_is_not_an_object(entry):
+    with pytest.raises(ProtocolError, match="not an object"):
+        protocol.extension_frames({"extensions": [entry]}, [b"a"])
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [{"num_frames": 1}],
+        [{"capability": 7, "num_frames": 1}],
+        [{"capability": "x", "num_frames": 0}, {"capability": "x", "num_frames": 1}],
+    ],
+)
+def test_extension_frames_refuses_a_missing_or_repeated_capability(entries):
+    with pytest.raises(ProtocolError, match="bad or repeated reply capability"):
+        protocol.extension_frames({"extensions": entries}, [b"a"])
+
+
+@pytest.mark.parametrize("count, then", [(-1, 2), (True, 0), (1.0, 0), (None, 1)])
+def test_extension_frames_refuses_a_num_frames_that_is_not_a_count(count, then):
+    # Each would account for the one frame: True as 1, and -1 by shifting
+    # the next entry's slice (x takes frames[0:-1], y frames[-1:1]).
+    entries = [
+        {"capability": "x", "num_frames": count},
+        {"capability": "y", "num_frames": then},
+    ]
+    with pytest.raises(ProtocolError, match="bad num_frames"):
+        protocol.extension_frames({"extensions": entries}, [b"a"])
+
+
 def test_plugins_in_the_plugin_package_register_at_load(tmp_path, monkeypatch):
     package = tmp_path / "k3_test_plugins"
     package.mkdir()
