@@ -253,10 +253,11 @@ def test_out_of_vocabulary_id_is_refused(token):
         _decode(fmt, meta, [frame])
 
 
-def test_repeated_id_in_a_slot_is_refused():
+@pytest.mark.parametrize("other", [9, 11])  # next to it, or the slot's last
+def test_repeated_id_in_a_slot_is_refused(other):
     fmt, meta, frame = _topk_case()
     first = int(np.frombuffer(frame, dtype="<i4", offset=meta["values_nbytes"])[8])
-    frame = _set_id(frame, meta["values_nbytes"], 9, first)
+    frame = _set_id(frame, meta["values_nbytes"], other, first)
     with pytest.raises(ProtocolError, match="repeat"):
         _decode(fmt, meta, [frame])
 
