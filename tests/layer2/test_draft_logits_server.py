@@ -6,12 +6,14 @@ loopback TCP."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+from k3_l2_engines import CONTEXT_WIDTH, TableEngine, table_limits
 from k3_layer1_server import (
     DEFAULT_OPTIONS,
     DraftServerProcess,
@@ -23,7 +25,7 @@ from k3_layer1_server import (
 )
 
 from vllm.k3_draft import protocol
-from vllm.k3_draft.engine import DraftLimits, ProposeBatch
+from vllm.k3_draft.engine import DraftLimits, ProposeBatch, ProposeOutput
 from vllm.k3_draft.logits_codec import (
     CAPABILITY_FULL,
     CAPABILITY_TOPK,
@@ -31,6 +33,7 @@ from vllm.k3_draft.logits_codec import (
     decode_logits,
 )
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.server import DraftServer
 
 VOCAB = DEFAULT_OPTIONS["vocab_size"]
 WIDTH = DEFAULT_OPTIONS["context_width"]
@@ -86,6 +89,54 @@ def test_pong_advertises_both_capabilities(client):
         CAPABILITY_TOPK,
     ]
     assert frames == []
+
+
+def _table_server(engine_type: type[TableEngine] = TableEngine) -> DraftServer:
+    """A draft server, in this process, around a table engine of 32 tokens."""
+    protocol.load_capability_plugins()
+    table = torch.randn(128, K, 32, generator=torch.Generator().manual_seed(0))
+    return DraftServer(engine_type(table_limits(2, K, MAX_LEN), table))
+
+
+def _handle(server: DraftServer, frames: list) -> tuple[dict, list]:
+    reply = server.handle(frames)
+    return json.loads(bytes(reply[0])), reply[1:]
+
+
+def _ping(server: DraftServer) -> dict:
+    return _handle(server, [protocol.encode_header(protocol.request_header("PING"))])[0]
+
+
+class _NoLogitsEngine(TableEngine):
+    """An engine that cannot return per-position logits."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec = dataclasses.replace(self.spec, supports_logits=False)
+
+
+def test_an_engine_without_logits_offers_neither_capability():
+    server = _table_server(_NoLogitsEngine)
+    assert _ping(server)["capabilities"] == [protocol.CAPABILITY_REPLY_SERVER_ID]
+
+
+class _LogitsLostEngine(TableEngine):
+    """An engine that offers logits but returns none."""
+
+    def propose(self, batch: ProposeBatch) -> ProposeOutput:
+        output = super().propose(batch)
+        return ProposeOutput(output.tokens, None, output.timings)
+
+
+def test_an_engine_that_returns_no_logits_fails_the_propose_and_drops_its_requests():
+    server = _table_server(_LogitsLostEngine)
+    message = propose_message(
+        [entry("lost", 10, count=10, reset=True)], K, CONTEXT_WIDTH, return_logits=True
+    )
+    header, frames = _handle(server, message)
+    assert not header["ok"] and frames == []
+    assert header["error"] == "RuntimeError: the engine returned no logits"
+    assert _ping(server)["active_requests"] == 0
 
 
 def test_greedy_client_still_gets_one_frame(client):
