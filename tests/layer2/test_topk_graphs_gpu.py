@@ -129,7 +129,7 @@ def test_keys_beyond_the_bound_stay_eager_and_evict_nothing() -> None:
     assert bytes(host[: K * 6].numpy()) == _eager(logits, 1)
 
 
-def test_the_reply_frames_of_repeated_proposes_are_the_eager_encoders() -> None:
+def test_repeated_proposes_replay_one_graph_writing_the_eager_frames() -> None:
     reply = DraftLogitsReply(topk=True)
     fmt = LogitsFormat(VOCAB, 64)
     options = reply.parse_request(
@@ -151,3 +151,6 @@ def test_the_reply_frames_of_repeated_proposes_are_the_eager_encoders() -> None:
         meta, frames = reply.build_reply(options, context)
         assert meta == expected_meta
         assert [bytes(f) for f in frames] == [expected]
+    # Captured at the second PROPOSE and replayed at the third: the staging
+    # buffer was kept (a new one would have dropped the graph each time).
+    assert len(reply._graphs) == 1
