@@ -37,6 +37,9 @@ def tree(tmp_path: Path) -> Path:
         "vllm/ops/kernel.py": "X = 2\n",
         CONFIG: "{}\n",
         "csrc/ops.cu": "// not packaged\n",
+        # Python of the tree outside vllm/ is not vllm's.
+        "setup.py": "raise SystemExit\n",
+        "tests/test_ops.py": "X = 3\n",
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
@@ -51,6 +54,43 @@ def test_the_wheel_holds_the_python_and_json_and_no_compiled_extension(
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"vllm/__init__.py", "vllm/ops/kernel.py", CONFIG} <= names
     assert not any(name.endswith(".so") or name.startswith("csrc") for name in names)
+
+
+def test_only_the_vllm_package_the_plugin_and_the_metadata_are_packed(
+    tree: Path, tmp_path: Path
+) -> None:
+    module = _module()
+    wheel = module.build(tree, tmp_path / "out")
+    names = zipfile.ZipFile(wheel).namelist()
+    dist_info = f"vllm-{module.VERSION}.dist-info/"
+    assert [
+        n
+        for n in names
+        if not n.startswith(("vllm/", dist_info)) and n != "k3_neutral_platform.py"
+    ] == []
+
+
+def test_the_package_files_are_stored_in_sorted_order(
+    tree: Path, tmp_path: Path
+) -> None:
+    # Created out of order, so the file system's listing is not sorted.
+    for rel in ("vllm/zz.py", "vllm/aa/b.py", "vllm/mm.py"):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text("\n")
+    wheel = _module().build(tree, tmp_path / "out")
+    package = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("vllm/")]
+    assert package == sorted(package)
+
+
+def test_the_wheel_declares_itself_pure_python_for_any_platform(
+    tree: Path, tmp_path: Path
+) -> None:
+    module = _module()
+    wheel = zipfile.ZipFile(module.build(tree, tmp_path / "out"))
+    meta = wheel.read(f"vllm-{module.VERSION}.dist-info/WHEEL").decode()
+    assert {"Root-Is-Purelib: true", "Tag: py3-none-any"} <= set(meta.splitlines())
+    assert wheel.filename is not None
+    assert wheel.filename.endswith("-py3-none-any.whl")
 
 
 def test_two_builds_of_one_tree_give_the_same_bytes(tree: Path, tmp_path: Path) -> None:
