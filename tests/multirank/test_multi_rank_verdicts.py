@@ -1,0 +1,328 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The verdicts of ``ci/multi_rank.py`` on broken inputs: its comparison of a
+kernel result with a reference fails past the layer-5 tolerances, its
+cross-rank equality sees a rank that differs, and a check failing on one rank
+only fails the check in the report rank 0 writes (real gloo groups of two
+spawned processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "multi_rank.py"
+
+
+def _module() -> Any:
+    """The script as a module; its checks are replaced in the ranks' tests."""
+    module: ModuleType | None = sys.modules.get("_multi_rank_under_test")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_multi_rank_under_test", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _reference(rows: int = 100) -> tuple[Any, Any]:
+    """A float64 reference (o, lse) of ``rows`` rows, two heads; row 0 saw no
+    KV (-inf LSE, zero output)."""
+    gen = torch.Generator().manual_seed(3)
+    ref_o = torch.randn(rows, 2, 512, generator=gen, dtype=torch.float64)
+    ref_lse = torch.randn(rows, 2, generator=gen, dtype=torch.float64)
+    ref_o[0] = 0
+    ref_lse[0] = float("-inf")
+    return ref_o, ref_lse
+
+
+def test_a_result_equal_to_the_reference_passes_the_comparison() -> None:
+    ref_o, ref_lse = _reference()
+    assert _module()._compare(ref_o.clone(), ref_lse.clone(), ref_o, ref_lse)["ok"]
+
+
+def test_an_output_two_percent_off_in_norm_fails_the_comparison() -> None:
+    ref_o, ref_lse = _reference()
+    # Every row 2% off: within the per-row tolerance, past the norm one.
+    verdict = _module()._compare(ref_o * 1.02, ref_lse.clone(), ref_o, ref_lse)
+    assert not verdict["ok"]
+
+
+def test_one_row_five_percent_off_fails_the_comparison() -> None:
+    ref_o, ref_lse = _reference()
+    o = ref_o.clone()
+    o[7, 1] *= 1.05  # 0.5% of the norm over 100 rows: only the row catches it
+    assert not _module()._compare(o, ref_lse.clone(), ref_o, ref_lse)["ok"]
+
+
+def test_an_lse_off_by_three_thousandths_fails_the_comparison() -> None:
+    ref_o, ref_lse = _reference()
+    lse = ref_lse.clone()
+    lse[5, 0] += 3e-3
+    assert not _module()._compare(ref_o.clone(), lse, ref_o, ref_lse)["ok"]
+
+
+def test_output_in_a_row_that_sees_no_kv_fails_the_comparison() -> None:
+    ref_o, ref_lse = _reference()
+    o = ref_o.clone()
+    o[0, 0, 3] = 1.0
+    assert not _module()._compare(o, ref_lse.clone(), ref_o, ref_lse)["ok"]
+
+
+# ------------------------------------------------- two ranks on gloo
+
+
+def _spawn(fn: Any, tmp_path: Path, *args: Any, ranks: int = 2) -> Any:
+    """Run ``fn(rank, init_method, out, *args)`` on ``ranks`` spawned ranks;
+    rank 0 writes JSON to ``out``, which is returned parsed."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.json"
+    init = f"tcp://127.0.0.1:{_module().free_tcp_port()}"
+    mp.start_processes(
+        fn, args=(init, str(out), *args), nprocs=ranks, join=True, start_method="spawn"
+    )
+    return json.loads(out.read_text())
+
+
+def _equality_rank(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    verdict = _module()._all_equal_to_rank0(torch.tensor([5, 6 + rank]))
+    if rank == 0:
+        Path(out).write_text(json.dumps(verdict))
+    dist.destroy_process_group()
+
+
+def test_a_tensor_that_differs_on_rank_one_is_not_equal_to_rank_zero(
+    tmp_path: Path,
+) -> None:
+    assert _spawn(_equality_rank, tmp_path) == [False, [True, False]]
+
+
+def _worker_args(module: Any, init: str, out: str, server: str, workdir: str) -> Any:
+    return module.WorkerArgs(
+        world_size=2,
+        backend="gloo",
+        init_method=init,
+        server_address=server,
+        result_path=out,
+        workdir=workdir,
+    )
+
+
+def _worker_rank(rank: int, init: str, out: str, failing: str, workdir: str) -> None:
+    module = _module()
+    passed = {"status": "PASS", "summary": "stub"}
+
+    def check(name: str) -> Any:
+        def run(*_: Any) -> dict[str, Any]:
+            if rank == 1 and name == failing:
+                raise RuntimeError(f"{name} broke on rank 1")
+            return dict(passed)
+
+        return run
+
+    # The checks are stubs; the verdict exchange under test is the real one.
+    module.check_tp_broadcast = check("tp_broadcast")
+    module.check_dcp_merge = check("dcp_merge")
+    module.check_replicated_draft = check("replicated_draft")
+    module._vllm_speculator_available = lambda: "stubbed checks"
+    module.worker(rank, _worker_args(module, init, out, "tcp://127.0.0.1:1", workdir))
+
+
+def test_a_check_raising_on_rank_one_only_fails_in_rank_zeros_report(
+    tmp_path: Path,
+) -> None:
+    result = _spawn(_worker_rank, tmp_path, "dcp_merge", str(tmp_path))
+    statuses = {name: check["status"] for name, check in result["checks"].items()}
+    # The checks after the failed one do not run: another rank may be gone.
+    assert statuses == {"tp_broadcast": "PASS", "dcp_merge": "FAIL"}
+    assert result["checks"]["dcp_merge"]["summary"].startswith("another rank failed")
+
+
+# ----------------------------------------------- the run's verdict (main)
+
+# main() with the world run and the draft server replaced: the verdict over
+# the checks rank 0 reported is what is under test.
+MAIN_PROBE = """
+import json, sys, types, importlib.util
+spec = importlib.util.spec_from_file_location("multi_rank", sys.argv[1])
+module = sys.modules["multi_rank"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+class Server:
+    address = "tcp://127.0.0.1:1"
+    def __init__(self, *args, **kwargs): pass
+    def start(self): return self
+    def stop(self): pass
+sys.modules["k3_layer1_server"] = types.SimpleNamespace(DraftServerProcess=Server)
+result = json.loads(sys.argv[2])
+module.run_world = lambda n, server, workdir, timeout_s: dict(result, world_size=n)
+sys.exit(module.main(["--world-sizes", "1", "--out", sys.argv[3]]))
+"""
+PASS = {"status": "PASS", "summary": "ok"}
+ALL_PASS = dict.fromkeys(("tp_broadcast", "dcp_merge", "replicated_draft"), PASS)
+
+
+def _main_verdict(result: dict[str, Any], tmp_path: Path) -> tuple[int, bool]:
+    import subprocess
+
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", MAIN_PROBE, str(SCRIPT), json.dumps(result), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.returncode, json.loads(out.read_text())["passed"]
+
+
+def test_a_run_whose_checks_all_pass_passes(tmp_path: Path) -> None:
+    result = {"backend": "gloo", "checks": ALL_PASS}
+    assert _main_verdict(result, tmp_path) == (0, True)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        {"backend": "gloo", "checks": {**ALL_PASS, "dcp_merge": {"status": "SKIP"}}},
+        {"backend": "gloo", "checks": {"tp_broadcast": PASS, "dcp_merge": PASS}},
+        {"backend": "gloo", "checks": ALL_PASS, "error": "timed out after 300 s"},
+    ],
+    ids=["a-check-skipped", "a-check-missing", "the-world-errored"],
+)
+def test_a_run_with_a_check_that_did_not_pass_fails(
+    result: dict[str, Any], tmp_path: Path
+) -> None:
+    assert _main_verdict(result, tmp_path) == (1, False)
+
+
+# ------------------------------------ broken kernels' results fail a check
+
+
+def _perturbed(fn: Any, broken: bool) -> Any:
+    """``fn`` with its first output scaled by 1.1 where ``broken``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        o, lse = fn(*args, **kwargs)
+        return (o * 1.1 if broken else o), lse
+
+    return run
+
+
+def _dcp_merge_rank(rank: int, init: str, out: str, broken_ranks: list[int]) -> None:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    module = _module()
+    module.lse_merge = _perturbed(module.lse_merge, rank in broken_ranks)
+    check = module.check_dcp_merge(rank, 2, torch.device("cpu"))
+    if rank == 0:
+        Path(out).write_text(json.dumps(check["status"]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("broken_ranks", [[0, 1]], ids=["on-every-rank"])
+def test_a_dcp_merge_off_by_ten_percent_fails_the_check(
+    broken_ranks: list[int], tmp_path: Path
+) -> None:
+    assert _spawn(_dcp_merge_rank, tmp_path, broken_ranks) == "FAIL"
+
+
+def _replicated_rank(rank: int, init: str, out: str, breakage: str) -> None:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    module = _module()
+    real = module._rank_draft_attention
+
+    def attention(kernels: Any, sharded: bool, *args: Any) -> Any:
+        if breakage == "sharded-as-replicated":
+            return real(kernels, False, *args)
+        broken = {
+            "replicated-off-on-rank-one": not sharded and rank == 1,
+            "replicated-off-dcp1": not sharded,
+            "sharded-partial-off": sharded and rank == 1,
+        }[breakage]
+        return _perturbed(real, broken)(kernels, sharded, *args)
+
+    module._rank_draft_attention = attention
+    check = module.check_replicated_draft(rank, 2, torch.device("cpu"))
+    if rank == 0:
+        Path(out).write_text(json.dumps(check["status"]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        "replicated-off-on-rank-one",
+        "replicated-off-dcp1",
+        "sharded-as-replicated",
+        "sharded-partial-off",
+    ],
+)
+def test_a_broken_draft_kv_layout_fails_the_replicated_draft_check(
+    breakage: str, tmp_path: Path
+) -> None:
+    assert _spawn(_replicated_rank, tmp_path, breakage) == "FAIL"
+
+
+def _tp_rank(
+    rank: int, init: str, out: str, forced: str, server: str, workdir: str
+) -> None:
+    module = _module()
+
+    class Proxy(module.FaultProxy):  # type: ignore[name-defined]
+        """The fault proxy with every PROPOSE in mode ``forced``."""
+
+        @property
+        def mode(self) -> str:
+            return forced
+
+        @mode.setter
+        def mode(self, value: str) -> None:
+            pass
+
+    module.FaultProxy = Proxy
+    module.check_dcp_merge = lambda *_: {"status": "PASS"}
+    module.check_replicated_draft = lambda *_: {"status": "PASS"}
+    module.worker(rank, _worker_args(module, init, out, server, workdir))
+
+
+@pytest.mark.parametrize(
+    "forced",
+    ["pass", "malformed"],
+    ids=["the-faults-not-injected", "no-step-drafts"],
+)
+def test_drafts_that_do_not_follow_the_fault_plan_fail_the_tp_broadcast_check(
+    forced: str, tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(SCRIPT.parents[1] / "tests" / "layer1"))
+    from k3_layer1_server import DraftServerProcess
+
+    server = DraftServerProcess(
+        tmp_path / "server", address=f"tcp://127.0.0.1:{_module().free_tcp_port()}"
+    ).start()
+    try:
+        result = _spawn(_tp_rank, tmp_path, forced, server.address, str(tmp_path))
+    finally:
+        server.stop()
+    assert result["checks"]["tp_broadcast"]["status"] == "FAIL"
