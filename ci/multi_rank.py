@@ -27,8 +27,9 @@ For each world size N in ``--world-sizes`` this script spawns N processes
    kernel (``overlay/.../k3_fused_mla_verify.py``, loaded by path) on its
    rank-local shard of a paged KV (interleaved ownership, ``dcp_size=D``,
    ``dcp_rank=r``), all-gathers the LSE, rescales its output and all-reduces
-   it (the DCP merge); the merged result is compared with the single-rank
-   (D=1) kernel run and a float64 reference on rank 0. The merge is timed
+   it (the DCP merge); the merged result must be bit-identical on every rank
+   and is compared with the single-rank (D=1) kernel run and a float64
+   reference on rank 0. The merge is timed
    (CUDA events on GPU, ``perf_counter`` on CPU); timings are reported, never
    asserted. On CPU the kernel runs under ``TRITON_INTERPRET=1`` (fp16 query
    and KV: the interpreter cannot compute bf16) with tiny shapes.
@@ -747,6 +748,8 @@ def check_dcp_merge(rank: int, n: int, device: Any) -> dict[str, Any]:
             "interleave": interleave,
             "merged_identical_on_all_ranks": identical,
         }
+        if not identical:
+            failures.append(f"I={interleave}: the merged result differs across ranks")
         if rank == 0:
             full_cache, full_table = _paged(
                 stored, page, torch.Generator().manual_seed(99), device

@@ -236,7 +236,9 @@ def _dcp_merge_rank(rank: int, init: str, out: str, broken_ranks: list[int]) -> 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("broken_ranks", [[0, 1]], ids=["on-every-rank"])
+@pytest.mark.parametrize(
+    "broken_ranks", [[0, 1], [1]], ids=["on-every-rank", "on-rank-one-only"]
+)
 def test_a_dcp_merge_off_by_ten_percent_fails_the_check(
     broken_ranks: list[int], tmp_path: Path
 ) -> None:
