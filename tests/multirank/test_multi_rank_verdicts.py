@@ -328,3 +328,41 @@ def test_drafts_that_do_not_follow_the_fault_plan_fail_the_tp_broadcast_check(
     finally:
         server.stop()
     assert result["checks"]["tp_broadcast"]["status"] == "FAIL"
+
+
+def _swapping_rank(rank: int, init: str, out: str, server: str, workdir: str) -> None:
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    real = GroupCoordinator.broadcast
+
+    def broadcast(self: Any, input_: Any, src: int = 0) -> Any:
+        output = real(self, input_, src)
+        if rank == 1 and input_.dtype == torch.int64 and input_.dim() == 2:
+            # Rank 1 gets its requests' drafts in the wrong rows: every row
+            # stays a valid draft or a -1 row, only the ranks disagree.
+            input_.copy_(input_.flip(0))
+        return output
+
+    GroupCoordinator.broadcast = broadcast
+    module = _module()
+    module.check_dcp_merge = lambda *_: {"status": "PASS"}
+    module.check_replicated_draft = lambda *_: {"status": "PASS"}
+    module.worker(rank, _worker_args(module, init, out, server, workdir))
+
+
+def test_drafts_that_differ_on_rank_one_fail_the_tp_broadcast_check(
+    tmp_path: Path,
+) -> None:
+    sys.path.insert(0, str(SCRIPT.parents[1] / "tests" / "layer1"))
+    from k3_layer1_server import DraftServerProcess
+
+    server = DraftServerProcess(
+        tmp_path / "server", address=f"tcp://127.0.0.1:{_module().free_tcp_port()}"
+    ).start()
+    try:
+        result = _spawn(_swapping_rank, tmp_path, server.address, str(tmp_path))
+    finally:
+        server.stop()
+    check = result["checks"]["tp_broadcast"]
+    assert check["status"] == "FAIL"
+    assert "ranks differ" in check["summary"]
