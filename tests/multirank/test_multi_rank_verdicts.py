@@ -94,6 +94,21 @@ def _spawn(fn: Any, tmp_path: Path, *args: Any, ranks: int = 2) -> Any:
     return json.loads(out.read_text())
 
 
+def _spawn_beside_a_server(fn: Any, tmp_path: Path, *args: Any) -> Any:
+    """``_spawn(fn, tmp_path, *args, server_address, workdir)`` while a real
+    reference draft server (layer 1's test process) listens on loopback."""
+    sys.path.insert(0, str(SCRIPT.parents[1] / "tests" / "layer1"))
+    from k3_layer1_server import DraftServerProcess
+
+    server = DraftServerProcess(
+        tmp_path / "server", address=f"tcp://127.0.0.1:{_module().free_tcp_port()}"
+    ).start()
+    try:
+        return _spawn(fn, tmp_path, *args, server.address, str(tmp_path))
+    finally:
+        server.stop()
+
+
 def _equality_rank(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -317,16 +332,7 @@ def _tp_rank(
 def test_drafts_that_do_not_follow_the_fault_plan_fail_the_tp_broadcast_check(
     forced: str, tmp_path: Path
 ) -> None:
-    sys.path.insert(0, str(SCRIPT.parents[1] / "tests" / "layer1"))
-    from k3_layer1_server import DraftServerProcess
-
-    server = DraftServerProcess(
-        tmp_path / "server", address=f"tcp://127.0.0.1:{_module().free_tcp_port()}"
-    ).start()
-    try:
-        result = _spawn(_tp_rank, tmp_path, forced, server.address, str(tmp_path))
-    finally:
-        server.stop()
+    result = _spawn_beside_a_server(_tp_rank, tmp_path, forced)
     assert result["checks"]["tp_broadcast"]["status"] == "FAIL"
 
 
@@ -353,16 +359,7 @@ def _swapping_rank(rank: int, init: str, out: str, server: str, workdir: str) ->
 def test_drafts_that_differ_on_rank_one_fail_the_tp_broadcast_check(
     tmp_path: Path,
 ) -> None:
-    sys.path.insert(0, str(SCRIPT.parents[1] / "tests" / "layer1"))
-    from k3_layer1_server import DraftServerProcess
-
-    server = DraftServerProcess(
-        tmp_path / "server", address=f"tcp://127.0.0.1:{_module().free_tcp_port()}"
-    ).start()
-    try:
-        result = _spawn(_swapping_rank, tmp_path, server.address, str(tmp_path))
-    finally:
-        server.stop()
+    result = _spawn_beside_a_server(_swapping_rank, tmp_path)
     check = result["checks"]["tp_broadcast"]
     assert check["status"] == "FAIL"
     assert "ranks differ" in check["summary"]
