@@ -127,6 +127,38 @@ class Workload:
         return self.batch * self.context * 576 * self.cache.element_size()
 
 
+def fused_launcher(
+    ops: Any,
+    work: Workload,
+    q: torch.Tensor,
+    query_len: int,
+    splits: int,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    workspace: torch.Tensor,
+    config: Any = None,
+) -> Callable[[], None]:
+    """One call of the fused kernel of module ``ops`` on ``work``'s KV."""
+
+    def run() -> None:
+        ops.fused_mla_verify_decode(
+            q,
+            work.cache,
+            work.table,
+            work.seq_lens,
+            o,
+            lse,
+            workspace,
+            query_len=query_len,
+            sm_scale=SM_SCALE,
+            num_kv_splits=splits,
+            k_scale=work.k_scale,
+            config=config,
+        )
+
+    return run
+
+
 def run_case(
     ops,
     upstream,
@@ -168,23 +200,9 @@ def run_case(
     results = []
     for config, split_scale in variants:
         splits = default_splits * split_scale
-
-        def fused(config=config, splits=splits) -> None:
-            ops.fused_mla_verify_decode(
-                q,
-                work.cache,
-                work.table,
-                work.seq_lens,
-                o,
-                lse,
-                workspace,
-                query_len=query_len,
-                sm_scale=SM_SCALE,
-                num_kv_splits=splits,
-                k_scale=work.k_scale,
-                config=config,
-            )
-
+        fused = fused_launcher(
+            ops, work, q, query_len, splits, o, lse, workspace, config
+        )
         used = config or ops.default_config(query_len, heads)
         try:
             fused()

@@ -31,11 +31,11 @@ import torch
 from bench_fused_mla_verify import (
     BF16,
     FP8,
-    SM_SCALE,
     KiB,
     Workload,
     _graphed,
     _time_ms,
+    fused_launcher,
     measure_copy_gbps,
 )
 from k3_standalone import load_module
@@ -52,36 +52,6 @@ CASES = [
     (8, 32 * KiB, FP8, 4, 16),
     (12, 32 * KiB, BF16, 4, 12),
 ]
-
-
-def _launcher(
-    module: ModuleType,
-    work: Workload,
-    q: torch.Tensor,
-    query_len: int,
-    splits: int,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    workspace: torch.Tensor,
-) -> Callable[[], None]:
-    """One call of the variant's kernel on the case's inputs."""
-
-    def run() -> None:
-        module.fused_mla_verify_decode(
-            q,
-            work.cache,
-            work.table,
-            work.seq_lens,
-            o,
-            lse,
-            workspace,
-            query_len=query_len,
-            sm_scale=SM_SCALE,
-            num_kv_splits=splits,
-            k_scale=work.k_scale,
-        )
-
-    return run
 
 
 def main() -> None:
@@ -122,7 +92,7 @@ def main() -> None:
             )
             alive.append((work, q, o, lse, workspace))
 
-            run = _launcher(module, work, q, query_len, splits, o, lse, workspace)
+            run = fused_launcher(module, work, q, query_len, splits, o, lse, workspace)
             run()
             torch.cuda.synchronize()
             outputs[name] = (o.clone(), lse.clone())

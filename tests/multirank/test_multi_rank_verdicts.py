@@ -8,9 +8,13 @@ spawned processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -109,14 +113,27 @@ def _spawn_beside_a_server(fn: Any, tmp_path: Path, *args: Any) -> Any:
         server.stop()
 
 
-def _equality_rank(rank: int, init: str, out: str) -> None:
+@contextlib.contextmanager
+def _gloo_rank(rank: int, init: str, out: str) -> Iterator[list[Any]]:
+    """This rank in a gloo group of two for the block; what the block puts in
+    the yielded list rank 0 writes to ``out`` as JSON. Kernels run under
+    Triton's interpreter (set before Triton is imported)."""
     import torch.distributed as dist
 
+    os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    verdict = _module()._all_equal_to_rank0(torch.tensor([5, 6 + rank]))
-    if rank == 0:
-        Path(out).write_text(json.dumps(verdict))
-    dist.destroy_process_group()
+    reported: list[Any] = []
+    try:
+        yield reported
+        if rank == 0:
+            Path(out).write_text(json.dumps(reported[0]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _equality_rank(rank: int, init: str, out: str) -> None:
+    with _gloo_rank(rank, init, out) as reported:
+        reported.append(_module()._all_equal_to_rank0(torch.tensor([5, 6 + rank])))
 
 
 def test_a_tensor_that_differs_on_rank_one_is_not_equal_to_rank_zero(
@@ -190,8 +207,6 @@ ALL_PASS = dict.fromkeys(("tp_broadcast", "dcp_merge", "replicated_draft"), PASS
 
 
 def _main_verdict(result: dict[str, Any], tmp_path: Path) -> tuple[int, bool]:
-    import subprocess
-
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-c", MAIN_PROBE, str(SCRIPT), json.dumps(result), str(out)],
@@ -237,18 +252,10 @@ def _perturbed(fn: Any, broken: bool) -> Any:
 
 
 def _dcp_merge_rank(rank: int, init: str, out: str, broken_ranks: list[int]) -> None:
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    module = _module()
-    module.lse_merge = _perturbed(module.lse_merge, rank in broken_ranks)
-    check = module.check_dcp_merge(rank, 2, torch.device("cpu"))
-    if rank == 0:
-        Path(out).write_text(json.dumps(check["status"]))
-    dist.destroy_process_group()
+    with _gloo_rank(rank, init, out) as reported:
+        module = _module()
+        module.lse_merge = _perturbed(module.lse_merge, rank in broken_ranks)
+        reported.append(module.check_dcp_merge(rank, 2, torch.device("cpu"))["status"])
 
 
 @pytest.mark.parametrize(
@@ -261,13 +268,14 @@ def test_a_dcp_merge_off_by_ten_percent_fails_the_check(
 
 
 def _replicated_rank(rank: int, init: str, out: str, breakage: str) -> None:
-    import os
+    with _gloo_rank(rank, init, out) as reported:
+        module = _module()
+        reported.append(_replicated_status(module, rank, breakage))
 
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    module = _module()
+def _replicated_status(module: Any, rank: int, breakage: str) -> str:
+    """The replicated-draft check's status with the draft attention broken
+    as ``breakage`` says."""
     real = module._rank_draft_attention
 
     def attention(kernels: Any, sharded: bool, *args: Any) -> Any:
@@ -281,10 +289,7 @@ def _replicated_rank(rank: int, init: str, out: str, breakage: str) -> None:
         return _perturbed(real, broken)(kernels, sharded, *args)
 
     module._rank_draft_attention = attention
-    check = module.check_replicated_draft(rank, 2, torch.device("cpu"))
-    if rank == 0:
-        Path(out).write_text(json.dumps(check["status"]))
-    dist.destroy_process_group()
+    return module.check_replicated_draft(rank, 2, torch.device("cpu"))["status"]
 
 
 @pytest.mark.parametrize(
@@ -300,6 +305,15 @@ def test_a_broken_draft_kv_layout_fails_the_replicated_draft_check(
     breakage: str, tmp_path: Path
 ) -> None:
     assert _spawn(_replicated_rank, tmp_path, breakage) == "FAIL"
+
+
+def _run_tp_broadcast_only(
+    module: Any, rank: int, init: str, out: str, server: str, workdir: str
+) -> None:
+    """The script's worker with the other two checks stubbed to pass."""
+    module.check_dcp_merge = lambda *_: {"status": "PASS"}
+    module.check_replicated_draft = lambda *_: {"status": "PASS"}
+    module.worker(rank, _worker_args(module, init, out, server, workdir))
 
 
 def _tp_rank(
@@ -319,9 +333,7 @@ def _tp_rank(
             pass
 
     module.FaultProxy = Proxy
-    module.check_dcp_merge = lambda *_: {"status": "PASS"}
-    module.check_replicated_draft = lambda *_: {"status": "PASS"}
-    module.worker(rank, _worker_args(module, init, out, server, workdir))
+    _run_tp_broadcast_only(module, rank, init, out, server, workdir)
 
 
 @pytest.mark.parametrize(
@@ -350,10 +362,7 @@ def _swapping_rank(rank: int, init: str, out: str, server: str, workdir: str) ->
         return output
 
     GroupCoordinator.broadcast = broadcast
-    module = _module()
-    module.check_dcp_merge = lambda *_: {"status": "PASS"}
-    module.check_replicated_draft = lambda *_: {"status": "PASS"}
-    module.worker(rank, _worker_args(module, init, out, server, workdir))
+    _run_tp_broadcast_only(_module(), rank, init, out, server, workdir)
 
 
 def test_drafts_that_differ_on_rank_one_fail_the_tp_broadcast_check(
