@@ -151,6 +151,12 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--checkout", type=Path, help="a git checkout of upstream")
     rb.add_argument("--report", type=Path, default=ROOT / "dist" / "rebase")
     rb.add_argument("--write-pin", action="store_true", help="pin --to VERSION")
+    rb.add_argument(
+        "--port",
+        action="store_true",
+        help="pin --to VERSION and rebase the work tree's layer commits onto it",
+    )
+    rb.add_argument("--tree", type=Path, default=DEFAULT_TREE)
     rb.set_defaults(func=cmd_rebase)
     q = sub.add_parser("qualify", help="per-layer qualification")
     q.add_argument("--layer", type=int, help="qualify only layer N (prefix 1..N)")

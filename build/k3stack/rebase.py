@@ -10,6 +10,11 @@ git's merge); one with other bytes is a conflict. Layers that land are
 stacked so later layers are tried on top of them; a conflicting layer is
 skipped, and a later one that changes the same files names it and tells which
 of its conflicts come from that layer missing rather than from upstream.
+
+With ``--port`` the work tree's layer commits move onto the new release
+(``git rebase``): layers that land are committed, git stops at a conflict
+for the maintainer to resolve, and ``refresh`` then writes the patches for
+the new pin.
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ from pathlib import Path
 
 from k3stack import StackError
 from k3stack.fetch import cache_dir, download, pip_index_url, project_files, sha256_file
-from k3stack.gitutil import git, git_bytes, merge_file
+from k3stack.gitutil import EPOCH, git, git_bytes, merge_file
 from k3stack.patchfile import HunkMismatch, apply_exact
 from k3stack.pin import PIN_FILE, Pin, load_pin
 from k3stack.series import Layer, Stack
 from k3stack.upstream import checkout_head, export_checkout, extract_sdist
-from k3stack.worktree import UPSTREAM_TAG, commit_all, layer_tag
+from k3stack.worktree import (
+    UPSTREAM_TAG,
+    commit_all,
+    current_marker,
+    layer_tag,
+    read_marker,
+    write_marker,
+)
 
 _CONFLICT_START = re.compile(r"^<{7}( |$)")
 _CONFLICT_END = re.compile(r"^>{7}( |$)")
@@ -260,6 +272,71 @@ def render_report(target: str, results: list[LayerResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_portable(stack: Stack, tree: Path) -> None:
+    """``StackError`` unless ``tree`` holds every layer of the series as
+    patches/ and overlay/ hold it, refreshed and with nothing uncommitted."""
+    marker = current_marker(stack, tree)
+    if marker["layers"] != len(stack.layers):
+        raise StackError(
+            f"{tree} holds {marker['layers']} of {len(stack.layers)} layers; "
+            "refused: run `nox -s apply` (every layer) before --port"
+        )
+
+
+def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> None:
+    """Rebase ``tree``'s layer commits onto a pristine commit of
+    ``new_upstream`` (made as apply makes one, with ``message``), which
+    becomes the tree's upstream. ``StackError`` naming the layer if git
+    stops at a conflict: the tree is left mid-rebase for the maintainer."""
+    check_portable(stack, tree)
+    old = git(tree, "rev-parse", f"{UPSTREAM_TAG}^{{commit}}")
+    with tempfile.TemporaryDirectory(prefix="k3stack-port-") as scratch:
+        pristine = Path(scratch) / "pristine"
+        shutil.copytree(new_upstream, pristine)
+        git(pristine, "init", "-q", "-b", "main")
+        commit_all(pristine, message, date=EPOCH)
+        git(tree, "fetch", "-q", "--no-tags", str(pristine), "main")
+    new = git(tree, "rev-parse", "FETCH_HEAD")
+    layers = len(stack.layers)
+    marker = read_marker(tree)
+    git(tree, "tag", "-f", UPSTREAM_TAG, new)
+    # No layer is as patches/ hold it: refresh writes every one back.
+    write_marker(tree, layers, [None] * layers)
+    try:
+        # One commit per layer whatever git makes of it: the series and
+        # refresh count on that.
+        git(
+            tree,
+            "rebase",
+            "-q",
+            "--reapply-cherry-picks",
+            "--empty=keep",
+            "--onto",
+            new,
+            old,
+            "main",
+        )
+    except StackError:
+        if not (tree / ".git" / "rebase-merge").is_dir():
+            # Not a conflict: the tree stays as it was.
+            git(tree, "tag", "-f", UPSTREAM_TAG, old)
+            write_marker(tree, marker["layers"], marker.get("digests") or [])
+            raise
+    else:
+        return
+    subject = git(tree, "log", "-1", "--format=%s", "REBASE_HEAD", check=False)
+    layer = next((la for la in stack.layers if la.patch.subject == subject), None)
+    where = f"layer {layer.number} ({layer.name})" if layer else f"commit {subject!r}"
+    conflicted = _split_z(git(tree, "diff", "--name-only", "-z", "--diff-filter=U"))
+    raise StackError(
+        f"{where} conflicts in {', '.join(conflicted) or 'the work tree'}: resolve "
+        f"them in {tree}, `git add` them and run `git rebase --continue` there "
+        "(again for each later layer that stops), then `nox -s refresh`; to give "
+        "up, `git rebase --abort` there, `git checkout build/pin.toml` here and "
+        "`nox -s apply`"
+    )
+
+
 def fetch_release(pin: Pin, version: str) -> tuple[Path, dict]:
     """Download another release's sdist (hash recorded, not pinned)."""
     files = project_files(pip_index_url(), pin.name)
@@ -278,10 +355,13 @@ def fetch_release(pin: Pin, version: str) -> tuple[Path, dict]:
 
 
 def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
-    from k3stack.cli import do_apply
+    from k3stack.cli import do_apply, pristine_message
 
-    if args.write_pin and args.to is None:
-        raise StackError("--write-pin needs --to VERSION (a release)")
+    if (args.write_pin or args.port) and args.to is None:
+        option = "--port" if args.port else "--write-pin"
+        raise StackError(f"{option} needs --to VERSION (a release)")
+    if args.port:
+        check_portable(stack, args.tree)  # refused before anything is fetched
     if args.checkout is not None:
         checkout_head(args.checkout)  # refused before the stack is applied
     work = Path(tempfile.mkdtemp(prefix="k3stack-rebase-"))
@@ -314,9 +394,22 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
             for hunk in r.hunks:
                 print(f"rebase:   {hunk}")
         print(f"rebase: report in {args.report}/report.md")
-        if args.write_pin:
+        landed = [r.number for r in results if r.status == "already-upstream"]
+        if args.port and landed:
+            raise StackError(
+                f"layer {', '.join(map(str, landed))} is already upstream in "
+                f"{target}: drop it from patches/series (and its overlay files) "
+                "before --port"
+            )
+        if args.write_pin or args.port:
             write_pin(pin, args.to, new, sdist, info)
             print(f"rebase: pinned {pin.name} {args.to} in {PIN_FILE}")
+        if args.port:
+            port_tree(stack, args.tree, new, pristine_message(load_pin()))
+            print(
+                f"rebase: the {len(stack.layers)} layer commits of {args.tree} are "
+                f"on {target}; `nox -s refresh` writes their patches"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from k3stack import StackError
@@ -54,7 +54,7 @@ def read_marker(tree: Path) -> dict:
     return marker
 
 
-def write_marker(tree: Path, layers: int, digests: list[str]) -> None:
+def write_marker(tree: Path, layers: int, digests: Sequence[str | None]) -> None:
     """Record HEAD and each layer's digest as this tree holds them now
     (written beside and moved into place: never half a marker)."""
     head = git(tree, "rev-parse", "HEAD")

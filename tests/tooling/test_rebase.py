@@ -16,7 +16,9 @@ from k3stack.gitutil import git
 from k3stack.pin import Artifact, Pin
 from k3stack.rebase import (
     LayerResult,
+    check_portable,
     classify,
+    port_tree,
     rebase_command,
     retagged_image,
     select_wheels,
@@ -149,12 +151,32 @@ def test_of_several_wheels_the_pinned_platform_tag_wins() -> None:
         select_wheels(PINNED, "0.34.0", [x86[1], other, arm])
 
 
-def test_write_pin_with_a_checkout_is_refused_before_any_work(tmp_path: Path) -> None:
+def rebase_args(tmp_path: Path, **given: object) -> argparse.Namespace:
+    """The rebase command's arguments: no target, report and tree under
+    ``tmp_path``, no re-pin, no port, unless ``given``."""
     args = argparse.Namespace(
-        to=None, checkout=tmp_path, report=tmp_path / "report", write_pin=True
+        to=None,
+        checkout=None,
+        report=tmp_path / "report",
+        write_pin=False,
+        port=False,
+        tree=tmp_path / "tree",
     )
+    vars(args).update(given)
+    return args
+
+
+def test_write_pin_with_a_checkout_is_refused_before_any_work(tmp_path: Path) -> None:
+    args = rebase_args(tmp_path, checkout=tmp_path, write_pin=True)
     # No stack and no pin: refused before either is used.
     with pytest.raises(StackError, match="--write-pin needs --to VERSION"):
+        rebase_command(None, None, args)  # type: ignore[arg-type]
+    assert not (tmp_path / "report").exists()
+
+
+def test_port_with_a_checkout_is_refused_before_any_work(tmp_path: Path) -> None:
+    args = rebase_args(tmp_path, checkout=tmp_path, port=True)
+    with pytest.raises(StackError, match="--port needs --to VERSION"):
         rebase_command(None, None, args)  # type: ignore[arg-type]
     assert not (tmp_path / "report").exists()
 
@@ -314,9 +336,7 @@ def test_a_checkout_without_commits_is_refused_in_one_line_before_any_work(
     checkout = tmp_path / "empty"
     checkout.mkdir()
     git(checkout, "init", "-q")
-    args = argparse.Namespace(
-        to=None, checkout=checkout, report=tmp_path / "report", write_pin=False
-    )
+    args = rebase_args(tmp_path, checkout=checkout)
     # No stack and no pin: refused before either is used.
     with pytest.raises(StackError, match=r"^\S+empty has no commit at HEAD") as e:
         rebase_command(None, None, args)  # type: ignore[arg-type]
@@ -392,3 +412,78 @@ def test_a_layer_whose_moved_change_is_upstream_is_already_upstream(
     )
     assert [r.status for r in results] == ["already-upstream", "clean", "clean"]
     assert results[0].note == "the three-way merge comes out empty"
+
+
+def read_tree_file(syn: Synthetic, rel: str) -> str:
+    return (syn.tree / rel).read_text()
+
+
+def test_port_puts_the_layers_on_the_new_upstream_and_refresh_makes_them_exact(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    # Layer 2's hunk moved down: git's merge lands it, apply could not.
+    files["vllm/model.py"] = "# moved\n" * 5 + files["vllm/model.py"]
+    new = new_upstream(tmp_path, files)
+    port_tree(filled.stack(), filled.tree, new, "vllm 2.0 pristine\n")
+    filled.take_back("port to 2.0", today=dt.date(2026, 11, 4))
+    # The refreshed patches apply exactly (no fuzz, no offset) on 2.0.
+    filled.apply(sdist=tmp_path / "vllm-2.0.tar.gz")
+    assert read_tree_file(filled, "vllm/model.py").startswith("# moved\n")
+    assert "return 2000" in read_tree_file(filled, "vllm/model.py")
+    assert "SETTING_5 = 55\n" in read_tree_file(filled, "vllm/envs.py")
+    assert read_tree_file(filled, "vllm/logits.py") == "TOPK = 64\n"
+
+
+def test_port_stops_at_a_conflict_naming_the_layer_and_refresh_takes_the_fix(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5\n", "SETTING_5 = 6\n"
+    )
+    new = new_upstream(tmp_path, files)
+    with pytest.raises(
+        StackError,
+        match=r"layer 1 \(0001-layer-1\.patch\) conflicts in vllm/envs\.py: "
+        r".*git rebase --continue",
+    ):
+        port_tree(filled.stack(), filled.tree, new, "vllm 2.0 pristine\n")
+    # The maintainer keeps the layer's value and lets git go on.
+    (filled.tree / "vllm/envs.py").write_text(
+        files["vllm/envs.py"].replace("SETTING_5 = 6\n", "SETTING_5 = 55\n")
+    )
+    git(filled.tree, "add", "vllm/envs.py")
+    monkeypatch.setenv("GIT_EDITOR", "true")
+    git(filled.tree, "rebase", "--continue")
+    filled.take_back("port to 2.0", today=dt.date(2026, 11, 4))
+    filled.apply(sdist=tmp_path / "vllm-2.0.tar.gz")
+    assert "SETTING_5 = 55\n" in read_tree_file(filled, "vllm/envs.py")
+    assert "return 2000" in read_tree_file(filled, "vllm/model.py")
+
+
+def test_port_given_up_leaves_a_tree_that_apply_replaces(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5\n", "SETTING_5 = 6\n"
+    )
+    with pytest.raises(StackError, match="conflicts"):
+        port_tree(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+    git(filled.tree, "rebase", "--abort")
+    filled.apply()
+    assert "SETTING_5 = 55\n" in read_tree_file(filled, "vllm/envs.py")
+    assert git(filled.tree, "log", "-1", "--format=%s", "upstream") == (
+        "vllm 1.0 pristine"
+    )
+
+
+def test_port_refuses_a_tree_without_every_layer_before_any_change(
+    filled: Synthetic,
+) -> None:
+    filled.apply(upto=2)
+    head = git(filled.tree, "rev-parse", "HEAD")
+    with pytest.raises(StackError, match="holds 2 of 3 layers"):
+        check_portable(filled.stack(), filled.tree)
+    assert git(filled.tree, "rev-parse", "HEAD") == head
