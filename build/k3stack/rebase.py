@@ -283,6 +283,17 @@ def check_portable(stack: Stack, tree: Path) -> None:
         )
 
 
+def refuse_landed_layers(results: list[LayerResult], target: str) -> None:
+    """``StackError`` if a layer is already upstream in ``target``: ported,
+    it would be an empty commit that refresh cannot write as a patch."""
+    landed = [str(r.number) for r in results if r.status == "already-upstream"]
+    if landed:
+        raise StackError(
+            f"layer {', '.join(landed)} is already upstream in {target}: drop it "
+            "from patches/series (and its overlay files) before --port"
+        )
+
+
 def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> None:
     """Rebase ``tree``'s layer commits onto a pristine commit of
     ``new_upstream`` (made as apply makes one, with ``message``), which
@@ -394,13 +405,8 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
             for hunk in r.hunks:
                 print(f"rebase:   {hunk}")
         print(f"rebase: report in {args.report}/report.md")
-        landed = [r.number for r in results if r.status == "already-upstream"]
-        if args.port and landed:
-            raise StackError(
-                f"layer {', '.join(map(str, landed))} is already upstream in "
-                f"{target}: drop it from patches/series (and its overlay files) "
-                "before --port"
-            )
+        if args.port:
+            refuse_landed_layers(results, target)
         if args.write_pin or args.port:
             write_pin(pin, args.to, new, sdist, info)
             print(f"rebase: pinned {pin.name} {args.to} in {PIN_FILE}")

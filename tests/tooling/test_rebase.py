@@ -20,6 +20,7 @@ from k3stack.rebase import (
     classify,
     port_tree,
     rebase_command,
+    refuse_landed_layers,
     retagged_image,
     select_wheels,
 )
@@ -487,3 +488,19 @@ def test_port_refuses_a_tree_without_every_layer_before_any_change(
     with pytest.raises(StackError, match="holds 2 of 3 layers"):
         check_portable(filled.stack(), filled.tree)
     assert git(filled.tree, "rev-parse", "HEAD") == head
+
+
+def test_port_refuses_a_layer_that_is_already_upstream(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5", "SETTING_5 = 55"
+    )
+    files["vllm/remote/__init__.py"] = "PORT = 1\n"
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    with pytest.raises(StackError, match=r"^layer 1 is already upstream in vllm 2\.0"):
+        refuse_landed_layers(results, "vllm 2.0")
+    refuse_landed_layers(results[1:], "vllm 2.0")
