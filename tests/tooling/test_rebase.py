@@ -34,6 +34,25 @@ def new_upstream(tmp_path: Path, files: dict[str, str]) -> Path:
     return dest
 
 
+def envs_conflicting_with_layer_1() -> dict[str, str]:
+    """Upstream files whose envs.py changed the line layer 1 changes."""
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5\n", "SETTING_5 = 6\n"
+    )
+    return files
+
+
+def layer_1_upstream() -> dict[str, str]:
+    """Upstream files that hold layer 1's whole change."""
+    files = dict(UPSTREAM_FILES)
+    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
+        "SETTING_5 = 5\n", "SETTING_5 = 55\n"
+    )
+    files["vllm/remote/__init__.py"] = "PORT = 1\n"
+    return files
+
+
 def test_rebase_tells_clean_three_way_and_already_upstream_apart(
     filled: Synthetic, tmp_path: Path
 ) -> None:
@@ -56,12 +75,11 @@ def test_rebase_reports_the_conflicting_files_and_hunks(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     filled.apply()
-    files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
-        "SETTING_5 = 5", "SETTING_5 = 6"
-    )
     results = classify(
-        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+        filled.stack(),
+        filled.tree,
+        new_upstream(tmp_path, envs_conflicting_with_layer_1()),
+        "v2\n",
     )
     assert results[0].status == "conflict"
     assert results[0].files == ["vllm/envs.py"]
@@ -74,13 +92,8 @@ def test_rebase_recognises_a_layer_that_is_already_upstream(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     filled.apply()
-    files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
-        "SETTING_5 = 5", "SETTING_5 = 55"
-    )
-    files["vllm/remote/__init__.py"] = "PORT = 1\n"
     results = classify(
-        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+        filled.stack(), filled.tree, new_upstream(tmp_path, layer_1_upstream()), "v2\n"
     )
     assert results[0].status == "already-upstream"
     assert [r.status for r in results[1:]] == ["clean", "clean"]
@@ -439,10 +452,7 @@ def test_port_puts_the_layers_on_the_new_upstream_and_refresh_makes_them_exact(
 def test_port_stops_at_a_conflict_naming_the_layer_and_refresh_takes_the_fix(
     filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
-        "SETTING_5 = 5\n", "SETTING_5 = 6\n"
-    )
+    files = envs_conflicting_with_layer_1()
     new = new_upstream(tmp_path, files)
     with pytest.raises(
         StackError,
@@ -466,10 +476,7 @@ def test_port_stops_at_a_conflict_naming_the_layer_and_refresh_takes_the_fix(
 def test_port_given_up_leaves_a_tree_that_apply_replaces(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
-        "SETTING_5 = 5\n", "SETTING_5 = 6\n"
-    )
+    files = envs_conflicting_with_layer_1()
     with pytest.raises(StackError, match="conflicts"):
         port_tree(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
     git(filled.tree, "rebase", "--abort")
@@ -493,13 +500,8 @@ def test_port_refuses_a_tree_without_every_layer_before_any_change(
 def test_port_refuses_a_layer_that_is_already_upstream(
     filled: Synthetic, tmp_path: Path
 ) -> None:
-    files = dict(UPSTREAM_FILES)
-    files["vllm/envs.py"] = files["vllm/envs.py"].replace(
-        "SETTING_5 = 5", "SETTING_5 = 55"
-    )
-    files["vllm/remote/__init__.py"] = "PORT = 1\n"
     results = classify(
-        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+        filled.stack(), filled.tree, new_upstream(tmp_path, layer_1_upstream()), "v2\n"
     )
     with pytest.raises(StackError, match=r"^layer 1 is already upstream in vllm 2\.0"):
         refuse_landed_layers(results, "vllm 2.0")
