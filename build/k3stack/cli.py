@@ -156,7 +156,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pin --to VERSION and rebase the work tree's layer commits onto it",
     )
-    rb.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    rb.add_argument(
+        "--tree", type=Path, default=DEFAULT_TREE, help="the work tree --port moves"
+    )
     rb.set_defaults(func=cmd_rebase)
     q = sub.add_parser("qualify", help="per-layer qualification")
     q.add_argument("--layer", type=int, help="qualify only layer N (prefix 1..N)")

@@ -46,6 +46,8 @@ from k3stack.worktree import (
 
 _CONFLICT_START = re.compile(r"^<{7}( |$)")
 _CONFLICT_END = re.compile(r"^>{7}( |$)")
+# What git keeps in .git while a rebase stops (merge and apply backends).
+_REBASE_STATE = ("rebase-merge", "rebase-apply")
 
 
 @dataclass
@@ -284,8 +286,8 @@ def check_portable(stack: Stack, tree: Path) -> None:
 
 
 def refuse_landed_layers(results: list[LayerResult], target: str) -> None:
-    """``StackError`` if a layer is already upstream in ``target``: ported,
-    it would be an empty commit that refresh cannot write as a patch."""
+    """``StackError`` if a layer is already upstream in ``target``: such a
+    layer leaves the series rather than being ported as an empty commit."""
     landed = [str(r.number) for r in results if r.status == "already-upstream"]
     if landed:
         raise StackError(
@@ -328,7 +330,7 @@ def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> Non
             "main",
         )
     except StackError:
-        if not (tree / ".git" / "rebase-merge").is_dir():
+        if not any((tree / ".git" / d).is_dir() for d in _REBASE_STATE):
             # Not a conflict: the tree stays as it was.
             git(tree, "tag", "-f", UPSTREAM_TAG, old)
             write_marker(tree, marker["layers"], marker.get("digests") or [])
