@@ -25,6 +25,7 @@ from k3stack.rebase import (
     select_wheels,
 )
 from k3stack.upstream import extract_sdist
+from k3stack.worktree import MARKER
 
 
 def new_upstream(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -506,3 +507,20 @@ def test_port_refuses_a_layer_that_is_already_upstream(
     with pytest.raises(StackError, match=r"^layer 1 is already upstream in vllm 2\.0"):
         refuse_landed_layers(results, "vllm 2.0")
     refuse_landed_layers(results[1:], "vllm 2.0")
+
+
+def test_a_port_that_git_cannot_start_leaves_the_tree_as_it_was(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    upstream = git(filled.tree, "rev-parse", "upstream")
+    marker = (filled.tree / ".git" / MARKER).read_bytes()
+    # Another git process's lock: the rebase fails before it starts.
+    (filled.tree / ".git" / "index.lock").touch()
+    with pytest.raises(StackError, match="git rebase"):
+        port_tree(
+            filled.stack(), filled.tree, new_upstream(tmp_path, UPSTREAM_FILES), "v2\n"
+        )
+    (filled.tree / ".git" / "index.lock").unlink()
+    assert git(filled.tree, "rev-parse", "upstream") == upstream
+    assert (filled.tree / ".git" / MARKER).read_bytes() == marker
+    check_portable(filled.stack(), filled.tree)
