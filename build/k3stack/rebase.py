@@ -277,6 +277,11 @@ def render_report(target: str, results: list[LayerResult]) -> str:
 def check_portable(stack: Stack, tree: Path) -> None:
     """``StackError`` unless ``tree`` holds every layer of the series as
     patches/ and overlay/ hold it, refreshed and with nothing uncommitted."""
+    if any((tree / ".git" / d).is_dir() for d in _REBASE_STATE):
+        raise StackError(
+            f"{tree} is in the middle of a rebase; refused: finish it (`git rebase "
+            "--continue` there, then `nox -s refresh`) or `git rebase --abort` it"
+        )
     marker = current_marker(stack, tree)
     if marker["layers"] != len(stack.layers):
         raise StackError(

@@ -524,3 +524,13 @@ def test_a_port_that_git_cannot_start_leaves_the_tree_as_it_was(
     assert git(filled.tree, "rev-parse", "upstream") == upstream
     assert (filled.tree / ".git" / MARKER).read_bytes() == marker
     check_portable(filled.stack(), filled.tree)
+
+
+def test_port_during_a_stopped_port_says_to_finish_or_abort_it(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    new = new_upstream(tmp_path, envs_conflicting_with_layer_1())
+    with pytest.raises(StackError, match="conflicts"):
+        port_tree(filled.stack(), filled.tree, new, "v2\n")
+    with pytest.raises(StackError, match="in the middle of a rebase"):
+        check_portable(filled.stack(), filled.tree)
