@@ -274,10 +274,15 @@ def render_report(target: str, results: list[LayerResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rebase_stopped(tree: Path) -> bool:
+    """Whether a git rebase stopped in ``tree`` waits to be continued."""
+    return any((tree / ".git" / d).is_dir() for d in _REBASE_STATE)
+
+
 def check_portable(stack: Stack, tree: Path) -> None:
     """``StackError`` unless ``tree`` holds every layer of the series as
     patches/ and overlay/ hold it, refreshed and with nothing uncommitted."""
-    if any((tree / ".git" / d).is_dir() for d in _REBASE_STATE):
+    if _rebase_stopped(tree):
         raise StackError(
             f"{tree} is in the middle of a rebase; refused: finish it (`git rebase "
             "--continue` there, then `nox -s refresh`) or `git rebase --abort` it"
@@ -302,11 +307,11 @@ def refuse_landed_layers(results: list[LayerResult], target: str) -> None:
 
 
 def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> None:
-    """Rebase ``tree``'s layer commits onto a pristine commit of
-    ``new_upstream`` (made as apply makes one, with ``message``), which
-    becomes the tree's upstream. ``StackError`` naming the layer if git
-    stops at a conflict: the tree is left mid-rebase for the maintainer."""
-    check_portable(stack, tree)
+    """Rebase the layer commits of ``tree`` (one ``check_portable``
+    accepted) onto a pristine commit of ``new_upstream`` (made as apply makes
+    one, with ``message``), which becomes the tree's upstream. ``StackError``
+    naming the layer if git stops at a conflict: the tree is left mid-rebase
+    for the maintainer."""
     old = git(tree, "rev-parse", f"{UPSTREAM_TAG}^{{commit}}")
     with tempfile.TemporaryDirectory(prefix="k3stack-port-") as scratch:
         pristine = Path(scratch) / "pristine"
@@ -335,7 +340,7 @@ def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> Non
             "main",
         )
     except StackError:
-        if not any((tree / ".git" / d).is_dir() for d in _REBASE_STATE):
+        if not _rebase_stopped(tree):
             # Not a conflict: the tree stays as it was.
             git(tree, "tag", "-f", UPSTREAM_TAG, old)
             write_marker(tree, marker["layers"], marker.get("digests") or [])
