@@ -177,6 +177,34 @@ def test_socket_is_renewed_after_a_timeout(client, scripted_server):
     assert header["op"] == "PONG"
 
 
+def test_on_sent_runs_once_per_request_before_its_reply_is_awaited(
+    client, scripted_server
+):
+    # The server answers only after on_sent ran: were on_sent called after
+    # the receive, every call would time out.
+    sent = threading.Event()
+    calls = 0
+
+    def after_on_sent(header, frames):
+        sent.wait(5)
+        sent.clear()
+        return scripted_server.default(header, frames)
+
+    scripted_server.handlers["PING"] = after_on_sent
+    scripted_server.handlers["FREE"] = after_on_sent
+
+    def on_sent():
+        nonlocal calls
+        calls += 1
+        sent.set()
+
+    client.on_sent = on_sent
+    client.handshake(NEEDS)
+    header, _ = client.call("FREE", request_ids=["a"])
+    assert header["active_requests"] == 0
+    assert calls == 2
+
+
 def test_address_must_be_a_zeromq_endpoint():
     with pytest.raises(ValueError, match="not a ZeroMQ"):
         DraftClient("http://127.0.0.1:5555", timeout_ms=100)

@@ -15,11 +15,15 @@ the same address: ZeroMQ reconnects by itself) or without an id raises
 no reply of a server this engine has not checked is used. A server that does
 not advertise ``CAPABILITY_REPLY_SERVER_ID`` (a protocol-2 server of the
 previous release names itself in PONG only) is refused at the handshake.
+
+``on_sent``, when set, is called (and must not raise) on the calling thread
+after each request has been handed to ZeroMQ and before its reply is
+awaited: another thread may resume once this one only waits for the server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +211,7 @@ class DraftClient:
         self.curve = curve
         # The server_id the last accepted handshake saw (None: none yet).
         self.server_id: str | None = None
+        self.on_sent: Callable[[], None] | None = None
         self._context = zmq.Context()
         try:
             self._socket = self._connect()
@@ -267,6 +272,7 @@ class DraftClient:
         message = [header, *frames]
         try:
             self._socket.send_multipart(message, copy=False)
+            self._sent()
             reply = self._socket.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
             raise self._failed(op, exc) from exc
@@ -310,6 +316,11 @@ class DraftClient:
             self._socket.send(encode_header(request_header(OP_PING)))
         except zmq.ZMQError as exc:
             raise self._failed(OP_PING, exc) from exc
+        self._sent()
+
+    def _sent(self) -> None:
+        if self.on_sent is not None:
+            self.on_sent()
 
     def finish_handshake(
         self, needs: ServerRequirements, known_server_id: str | None, wait_ms: int
