@@ -18,9 +18,11 @@ delay). So the reply thread's own Python work is the plan's, not a model of it.
   output, then the round trip on the host;
 * deferred, as layer 3 runs it: after the step's output, the round trip is
   submitted to one long-lived reply thread (a one-worker executor) that fills
-  pinned staging and releases the gate; the host prepares the next step at
-  once, parks the stream behind the gate, then enqueues the staging copy and
-  the GPU work.
+  pinned staging and releases the gate; the host waits until the reply
+  thread has sent its PROPOSE (layer 3's ``consume`` does so once the step's
+  inputs are on the host, as they are here), then prepares the next step,
+  parks the stream behind the gate and enqueues the staging copy and the GPU
+  work.
 
 The reply thread needs the GIL between its blocking calls while the host
 thread runs Python, so the grid repeats over interpreter switch intervals
@@ -54,6 +56,7 @@ import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -221,6 +224,18 @@ class Step:
         self.staging_host.fill(-1)
         self.drafter.failures += 1
 
+    def reply(self, gate: Any, sent: threading.Event) -> None:
+        """Reply thread: the round trip into staging, then release ``gate``
+        (a ``ReplyGate``); ``sent`` is set once the PROPOSE left, at the latest
+        on return (layer 3's ``DeferredResolution._reply``)."""
+        client = self.drafter.client
+        client.on_sent = sent.set
+        try:
+            gate.deliver(self.round_trip, self.failed)
+        finally:
+            client.on_sent = None
+            sent.set()
+
     def gpu_work(self) -> None:
         self.drafts.copy_(self.staging, non_blocking=True)
         self.kernel_start.record()
@@ -246,6 +261,7 @@ class Step:
 
     def deferred(self, gate_module: types.ModuleType, steps: int) -> list[float]:
         replies = [gate_module.ReplyGate(gate_module.StreamGate()) for _ in range(2)]
+        sent = [threading.Event(), threading.Event()]
         done: list[Future[None] | None] = [None, None]
         periods = []
         with ThreadPoolExecutor(1, thread_name_prefix="reply") as executor:
@@ -261,11 +277,9 @@ class Step:
                 if previous is not None:
                     previous.result()
                 replies[slot].reset()
-                done[slot] = executor.submit(
-                    replies[slot].deliver,
-                    self.round_trip,
-                    self.failed,
-                )
+                sent[slot].clear()
+                done[slot] = executor.submit(self.reply, replies[slot], sent[slot])
+                sent[slot].wait()
                 now = time.perf_counter()
                 periods.append(now - last)
                 last = now

@@ -667,6 +667,90 @@ def test_a_synchronous_step_waits_for_the_pending_reply_thread(
     assert not any(state.stale for state in speculator.plan.retained.values())
 
 
+def _hold_propose(scripted_server: Any, release: threading.Event) -> None:
+    """The server answers a PROPOSE only once ``release`` is set."""
+
+    def held(header: dict[str, Any], frames: list[bytes]) -> list:
+        release.wait(10)
+        return scripted_server.default(header, frames)
+
+    scripted_server.handlers[protocol.OP_PROPOSE] = held
+
+
+def test_consume_waits_until_the_reply_thread_sent_its_propose(
+    make_speculator, scripted_server, monkeypatch
+):
+    speculator, _ = make_speculator(scripted_server.address, timeout_ms=5000)
+    strategy = _deferred(speculator)
+    _non_blocking_gates(strategy)
+    release = threading.Event()
+    _hold_propose(scripted_server, release)
+    exchange = speculator.exchange
+    prepared = threading.Event()
+
+    def slow_exchange(step: Any) -> Any:
+        time.sleep(0.2)  # the reply thread's work before its send
+        prepared.set()
+        return exchange(step)
+
+    monkeypatch.setattr(speculator, "exchange", slow_exchange)
+    batch = _batch(["a"], [3])
+    strategy.select_step(_runner_view(), batch)
+    _propose(speculator, batch)
+    slot = strategy._pending.slot
+    strategy.consume(lambda *args: None)
+    sent_first = prepared.is_set()
+    # It waited for the send only: the reply is still with the server.
+    answered = slot.reply.delivered
+    release.set()
+    strategy._drain()
+    assert sent_first
+    assert not answered
+
+
+class _DeviceEvent:
+    """A staged-inputs event whose device copies finish when ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+
+
+def test_consume_does_not_wait_for_a_reply_whose_inputs_are_still_on_the_device(
+    make_speculator, scripted_server, monkeypatch
+):
+    speculator, _ = make_speculator(scripted_server.address, timeout_ms=5000)
+    strategy = _deferred(speculator)
+    _non_blocking_gates(strategy)
+    event = _DeviceEvent()
+    stage = speculator.stage
+
+    def stage_on_device(*args: Any) -> Any:
+        staged = stage(*args)
+        staged.event = event
+        return staged
+
+    monkeypatch.setattr(speculator, "stage", stage_on_device)
+    batch = _batch(["a"], [3])
+    strategy.select_step(_runner_view(), batch)
+    _propose(speculator, batch)
+    # If consume waited for the reply thread, only this would end the wait.
+    watchdog = threading.Timer(5.0, event.done.set)
+    watchdog.start()
+    strategy.consume(lambda *args: None)
+    returned_before_the_copies = not event.done.is_set()
+    event.done.set()
+    watchdog.cancel()
+    strategy._drain()
+    assert returned_before_the_copies
+    assert scripted_server.ops().count(protocol.OP_PROPOSE) == 1
+
+
 # ------------------------------------------------------------ exit
 
 

@@ -43,8 +43,14 @@ The reply thread needs the GIL between its blocking calls while the runner's
 Python prepares the next step; CPython hands it over only after its switch
 interval (5 ms by default), so rank 0 lowers the process's switch interval to
 ``VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US`` (never raises it) when it first
-defers a reply. Where the stream gate cannot be built (no CUDA runtime, as on
-ROCm) replies resolve synchronously.
+defers a reply. Its work up to the PROPOSE leaving (plan, context rows,
+header) lies on the reply's critical path, and sharing the GIL with the
+runner would take it about twice as long: so ``consume`` on rank 0, once the
+step's staged inputs are on the host (the reply thread can run), waits until
+the reply thread has sent its first request of the step or finished, then
+prepares the next step while the reply thread only waits for the server.
+Where the stream gate cannot be built (no CUDA runtime, as on ROCm) replies
+resolve synchronously.
 
 A failing reply (exchange raises, the PROPOSE fails, or an extension's
 ``consume`` raises ``ProtocolError``) stages no draft (-1) for the whole step,
@@ -234,6 +240,9 @@ class _Slot:
     tokens: torch.Tensor
     reply: ReplyGate
     done: Future[None] | None = None
+    # Clear from submission until the reply thread sent the step's first
+    # request or finished.
+    sent: threading.Event = field(default_factory=threading.Event)
     # By capability, set by the reply thread for a reply that arrived whole.
     payloads: dict[str, Any] = field(default_factory=dict)
     # ``tokens`` for the reply thread: numpy writes never release the GIL,
@@ -328,13 +337,9 @@ class DeferredResolution(ImmediateResolution):
             for handle in self._staging:
                 handle.prepare(slot.index)
             slot.reply.reset()
+            slot.sent.clear()
             assert self._worker is not None
-            slot.done = self._worker.submit(
-                lambda: slot.reply.deliver(
-                    lambda: self._fill(step, slot),
-                    lambda exc: self._fail(step, slot, exc),
-                )
-            )
+            slot.done = self._worker.submit(lambda: self._reply(step, slot))
         self._pending = _Pending(step, slot)
         return speculator.draft_tokens[: step.num_reqs]
 
@@ -356,6 +361,10 @@ class DeferredResolution(ImmediateResolution):
         drafts = self.speculator.draft_tokens[: step.num_reqs]
         slot = pending.slot
         if slot is not None:
+            staged = step.staged
+            if staged is None or staged.event is None or staged.event.query():
+                # The reply thread can run: its send goes first (module doc).
+                slot.sent.wait()
             slot.reply.wait()
             drafts.copy_(slot.tokens[: step.num_reqs], non_blocking=True)
         self.speculator.tp_group.broadcast(drafts, src=0)
@@ -374,6 +383,21 @@ class DeferredResolution(ImmediateResolution):
         store(step.input_batch, drafts, step.num_speculative_tokens)
 
     # ------------------------------------------------ reply thread (rank 0)
+
+    def _reply(self, step: RemoteStep, slot: _Slot) -> None:
+        """Deliver ``step``'s reply into ``slot``; ``slot.sent`` is set once
+        the first request of the step is on its way, at the latest on return."""
+        assert self.speculator.plan is not None
+        client = self.speculator.plan.client
+        client.on_sent = slot.sent.set
+        try:
+            slot.reply.deliver(
+                lambda: self._fill(step, slot),
+                lambda exc: self._fail(step, slot, exc),
+            )
+        finally:
+            client.on_sent = None
+            slot.sent.set()
 
     def _fill(self, step: RemoteStep, slot: _Slot) -> None:
         staged = slot.host_tokens[: step.num_reqs]
