@@ -7,16 +7,17 @@ Two real ``RemoteK3DSparkSpeculator`` on the GPU drive the same steps, each
 through its own reference draft server: one resolves immediately, one
 deferred through the runner's real ``sample_tokens`` and next
 ``execute_model`` (``k3_l3_runner``), with the real ``StreamGate``. Every
-reply is held back until the runner has parked its stream, so the staging
-copies, layer 2's publish (upstream's Triton Gumbel sampler, the top-k
-scatter) and the draft store are enqueued before the reply is in pinned
-memory. Draft tokens and draft-logits caches must be bit-identical to the
-immediate verifier's after every step.
+reply is held back after its round trip until the runner has parked its
+stream, so the staging copies, layer 2's publish (upstream's Triton Gumbel
+sampler, the top-k scatter) and the draft store are enqueued before the
+reply is in pinned memory. Draft tokens and draft-logits caches must be
+bit-identical to the immediate verifier's after every step.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from typing import Any
 
@@ -35,6 +36,9 @@ from k3_l3_steps import (
 
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import DeferredResolution, install_deferred_resolution
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
+    RemoteK3DSparkSpeculator,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,17 +59,31 @@ def _config(vllm_config_factory: Any, method: str) -> Any:
 
 @pytest.fixture
 def held_replies(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Every reply thread waits ``HOLD_S`` before it fills the staging, so the
-    runner parks its stream first; records, per reply, whether it did."""
+    """Every deferred reply waits ``HOLD_S`` after its round trip, before it
+    fills the staging (``consume`` waits only until the PROPOSE is sent), so
+    the runner parks its stream first; records, per reply, whether it did."""
     parked: list[bool] = []
+    delivering = threading.local()
     deliver = stream_gate.ReplyGate.deliver
+    exchange = RemoteK3DSparkSpeculator.exchange
 
-    def held(self: stream_gate.ReplyGate, fill: Any, fail: Any) -> None:
-        time.sleep(HOLD_S)
-        parked.append(self._parked)
-        deliver(self, fill, fail)
+    def tracked(self: stream_gate.ReplyGate, fill: Any, fail: Any) -> None:
+        delivering.gate = self
+        try:
+            deliver(self, fill, fail)
+        finally:
+            delivering.gate = None
 
-    monkeypatch.setattr(stream_gate.ReplyGate, "deliver", held)
+    def held(self: RemoteK3DSparkSpeculator, step: Any) -> Any:
+        result = exchange(self, step)
+        gate = getattr(delivering, "gate", None)
+        if gate is not None:  # a deferred reply, on its reply thread
+            time.sleep(HOLD_S)
+            parked.append(gate._parked)
+        return result
+
+    monkeypatch.setattr(stream_gate.ReplyGate, "deliver", tracked)
+    monkeypatch.setattr(RemoteK3DSparkSpeculator, "exchange", held)
     return parked
 
 
