@@ -224,17 +224,16 @@ class Step:
         self.staging_host.fill(-1)
         self.drafter.failures += 1
 
-    def reply(self, gate: Any, sent: threading.Event) -> None:
+    def reply(self, gate: Any) -> None:
         """Reply thread: the round trip into staging, then release ``gate``
-        (a ``ReplyGate``); ``sent`` is set once the PROPOSE left, at the latest
-        on return (layer 3's ``DeferredResolution._reply``)."""
+        (a ``ReplyGate``), marked sent once the PROPOSE left (layer 3's
+        ``DeferredResolution._reply``)."""
         client = self.drafter.client
-        client.on_sent = sent.set
+        client.on_sent = gate.mark_sent
         try:
             gate.deliver(self.round_trip, self.failed)
         finally:
             client.on_sent = None
-            sent.set()
 
     def gpu_work(self) -> None:
         self.drafts.copy_(self.staging, non_blocking=True)
@@ -261,7 +260,6 @@ class Step:
 
     def deferred(self, gate_module: types.ModuleType, steps: int) -> list[float]:
         replies = [gate_module.ReplyGate(gate_module.StreamGate()) for _ in range(2)]
-        sent = [threading.Event(), threading.Event()]
         done: list[Future[None] | None] = [None, None]
         periods = []
         with ThreadPoolExecutor(1, thread_name_prefix="reply") as executor:
@@ -277,9 +275,8 @@ class Step:
                 if previous is not None:
                     previous.result()
                 replies[slot].reset()
-                sent[slot].clear()
-                done[slot] = executor.submit(self.reply, replies[slot], sent[slot])
-                sent[slot].wait()
+                done[slot] = executor.submit(self.reply, replies[slot])
+                replies[slot].wait_sent()
                 now = time.perf_counter()
                 periods.append(now - last)
                 last = now

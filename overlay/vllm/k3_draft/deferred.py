@@ -240,9 +240,6 @@ class _Slot:
     tokens: torch.Tensor
     reply: ReplyGate
     done: Future[None] | None = None
-    # Clear from submission until the reply thread sent the step's first
-    # request or finished.
-    sent: threading.Event = field(default_factory=threading.Event)
     # By capability, set by the reply thread for a reply that arrived whole.
     payloads: dict[str, Any] = field(default_factory=dict)
     # ``tokens`` for the reply thread: numpy writes never release the GIL,
@@ -337,7 +334,6 @@ class DeferredResolution(ImmediateResolution):
             for handle in self._staging:
                 handle.prepare(slot.index)
             slot.reply.reset()
-            slot.sent.clear()
             assert self._worker is not None
             slot.done = self._worker.submit(lambda: self._reply(step, slot))
         self._pending = _Pending(step, slot)
@@ -361,10 +357,10 @@ class DeferredResolution(ImmediateResolution):
         drafts = self.speculator.draft_tokens[: step.num_reqs]
         slot = pending.slot
         if slot is not None:
-            staged = step.staged
-            if staged is None or staged.event is None or staged.event.query():
+            event = step.staged.event if step.staged is not None else None
+            if event is None or event.query():
                 # The reply thread can run: its send goes first (module doc).
-                slot.sent.wait()
+                slot.reply.wait_sent()
             slot.reply.wait()
             drafts.copy_(slot.tokens[: step.num_reqs], non_blocking=True)
         self.speculator.tp_group.broadcast(drafts, src=0)
@@ -385,11 +381,11 @@ class DeferredResolution(ImmediateResolution):
     # ------------------------------------------------ reply thread (rank 0)
 
     def _reply(self, step: RemoteStep, slot: _Slot) -> None:
-        """Deliver ``step``'s reply into ``slot``; ``slot.sent`` is set once
-        the first request of the step is on its way, at the latest on return."""
+        """Deliver ``step``'s reply into ``slot``, marking it sent once the
+        first request of the step is on its way."""
         assert self.speculator.plan is not None
         client = self.speculator.plan.client
-        client.on_sent = slot.sent.set
+        client.on_sent = slot.reply.mark_sent
         try:
             slot.reply.deliver(
                 lambda: self._fill(step, slot),
@@ -397,7 +393,6 @@ class DeferredResolution(ImmediateResolution):
             )
         finally:
             client.on_sent = None
-            slot.sent.set()
 
     def _fill(self, step: RemoteStep, slot: _Slot) -> None:
         staged = slot.host_tokens[: step.num_reqs]

@@ -136,20 +136,32 @@ class ReplyGate:
     (enqueue-only with a ``StreamGate``; blocking without one, for host-only
     devices). The gate is parked only if the reply is still outstanding when
     ``wait`` runs, and ``deliver`` releases it whatever ``fill`` did, so a
-    parked stream always resumes. Use each instance for one reply; ``reset``
-    makes it ready for the next (only after ``deliver`` returned).
+    parked stream always resumes. ``wait_sent`` returns once the reply thread
+    called ``mark_sent`` (its request left) or ``deliver`` finished. Use each
+    instance for one reply; ``reset`` makes it ready for the next (only after
+    ``deliver`` returned).
     """
 
     def __init__(self, gate: StreamGate | None) -> None:
         self._gate = gate
         self._lock = threading.Lock()
         self._done = threading.Event()
+        self._sent = threading.Event()
         self._parked = False
 
     def reset(self) -> None:
         assert self._done.is_set() or not self._parked
         self._done.clear()
+        self._sent.clear()
         self._parked = False
+
+    def mark_sent(self) -> None:
+        """Reply thread: the reply's request is on its way."""
+        self._sent.set()
+
+    def wait_sent(self) -> None:
+        """Until ``mark_sent`` was called or ``deliver`` finished."""
+        self._sent.wait()
 
     @property
     def delivered(self) -> bool:
@@ -169,6 +181,7 @@ class ReplyGate:
             except BaseException as exc:
                 fail(exc)
         finally:
+            self._sent.set()
             with self._lock:
                 self._done.set()
                 parked = self._parked
