@@ -7,7 +7,9 @@ the upstream wheel with the same installer the image runs, import every module
 the prefix adds, run layer N's focused suite, and run the upstream tests layer
 N names. Upstream tests are judged against the same tests on pristine
 upstream: a test that passes there must pass on the stack; the ones that fail
-there (no model hub, no GPU) are listed in the baseline, never hidden.
+there (no model hub, no GPU) are listed in the baseline, never hidden. The
+pristine run comes after the layers and leaves out the tests that passed on
+every layer that ran them, whose pristine outcome cannot change a verdict.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ TEST_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 PER_TEST_TIMEOUT_S = 300
+# The pytest plugin (pytest_plugins/k3_settled.py) that leaves the settled
+# tests out of the pristine run, and the variable naming their list.
+SETTLED_PLUGIN_DIR = Path(__file__).parent / "pytest_plugins"
+SETTLED_ENV = "K3_QUALIFY_SETTLED"
 # pytest's exit codes for a run that went to the end (with or without failures).
 COMPLETED = (0, 1)
 
@@ -58,6 +64,14 @@ class Outcomes:
 
 
 @dataclass
+class UpstreamRun:
+    """A layer's upstream test files and their outcomes on the layer."""
+
+    files: list[str]
+    outcomes: Outcomes
+
+
+@dataclass
 class Row:
     layer: str
     applies: str = "-"
@@ -68,6 +82,8 @@ class Row:
     passed: int = 0
     failed: int = 0
     notes: list[str] = field(default_factory=list)
+    # Set by qualify_layer, judged against pristine by judge_upstream.
+    upstream_run: UpstreamRun | None = None
 
 
 def judge_suite(
@@ -130,14 +146,19 @@ def run_pytest(
     site: Path,
     targets: list[str],
     junit: Path,
-    extra_path: list[Path],
+    settled: Path | None = None,
 ) -> tuple[int, Outcomes]:
     """pytest's exit code and the outcomes it wrote to ``junit`` (none when it
-    wrote none: an XML from an earlier run is removed first)."""
-    env = {**os.environ, **TEST_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in [site, *extra_path])
+    wrote none: an XML from an earlier run is removed first). ``settled``: a
+    JSON list of test ids (JUnit form) to deselect."""
+    env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(site)}
     junit.unlink(missing_ok=True)
-    cmd = [python, "-m", "pytest", *pytest_args(junit), *targets]
+    cmd = [python, "-m", "pytest", *pytest_args(junit)]
+    if settled is not None:
+        env["PYTHONPATH"] += os.pathsep + str(SETTLED_PLUGIN_DIR)
+        env[SETTLED_ENV] = str(settled)
+        cmd += ["-p", "k3_settled"]
+    cmd += targets
     proc = subprocess.run(
         cmd,
         cwd=cwd,
@@ -293,11 +314,17 @@ def interpreter_key(python: str) -> bytes:
 
 
 def baseline(
-    python: str, tree: Path, site0: Path, tests: list[str], work: Path, out: Path
+    python: str,
+    tree: Path,
+    site0: Path,
+    tests: list[str],
+    work: Path,
+    out: Path,
+    settled: frozenset[str] = frozenset(),
 ) -> Outcomes:
-    """Outcomes of ``tests`` on pristine upstream, cached by their inputs:
-    the interpreter and its packages, the pristine install, the tests and how
-    pytest runs them."""
+    """Outcomes of ``tests`` on pristine upstream, less the ``settled`` test
+    ids, cached by their inputs: the interpreter and its packages, the
+    pristine install, the tests, the settled ids and how pytest runs them."""
     if not tests:
         return Outcomes()
     digest = hashlib.sha256(interpreter_key(python))
@@ -305,6 +332,7 @@ def baseline(
     digest.update((site0 / ".k3stack-wheel").read_bytes())
     digest.update(git_bytes(tree, "rev-parse", f"{UPSTREAM_TAG}:tests"))
     digest.update("\0".join(sorted(tests)).encode())
+    digest.update(b"\1" + "\0".join(sorted(settled)).encode())
     cache = work / f"baseline-{digest.hexdigest()[:16]}.json"
     if cache.is_file():
         outcomes = Outcomes(json.loads(cache.read_text()))
@@ -312,8 +340,11 @@ def baseline(
         dest = work / "tests-0"
         export_tests(tree, UPSTREAM_TAG, dest, tests)
         junit = out / "baseline.xml"
-        code, outcomes = run_pytest(python, dest, site0, sorted(tests), junit, [])
-        if not completed(code, junit):
+        select = work / "settled.json"
+        select.write_text(json.dumps(sorted(settled)))
+        code, outcomes = run_pytest(python, dest, site0, sorted(tests), junit, select)
+        # Exit code 5: nothing left to run once the settled tests are out.
+        if not completed(code, junit) and not (code == 5 and junit.is_file()):
             raise StackError(
                 "the upstream tests did not run to the end on pristine upstream "
                 f"(pytest exit code {code}); there is no baseline to judge by"
@@ -322,11 +353,88 @@ def baseline(
     failing = sorted(t for t, s in outcomes.results.items() if s != "passed")
     (out / "baseline.json").write_text(
         json.dumps(
-            {"tests": sorted(tests), "not_passing_on_pristine": failing}, indent=2
+            {
+                "tests": sorted(tests),
+                "not_passing_on_pristine": failing,
+                "not_run_on_pristine_passed_on_the_stack": sorted(settled),
+            },
+            indent=2,
         )
         + "\n"
     )
     return outcomes
+
+
+def settled_tests(runs: list[UpstreamRun]) -> frozenset[str]:
+    """The test ids that passed on every layer that ran them or whose
+    upstream files they belong to: their pristine outcome cannot make a
+    regression."""
+    seen = {t for run in runs for t in run.outcomes.results}
+    return frozenset(
+        t
+        for t in seen
+        if all(
+            run.outcomes.results.get(t) == "passed"
+            for run in runs
+            if t in run.outcomes.results or of_files(t, run.files)
+        )
+    )
+
+
+def judge_upstream(row: Row, base: Outcomes) -> None:
+    """Fill ``row``'s upstream column from its layer's run against the
+    pristine outcomes: a test that passed on pristine must pass on the layer;
+    failing, new and failing, or no longer run at all are regressions alike."""
+    run = row.upstream_run
+    if run is None:
+        return
+    now = run.outcomes
+    pristine = {t: s for t, s in base.results.items() if of_files(t, run.files)}
+    regressions = sorted(
+        t
+        for t in {*now.results, *pristine}
+        if now.results.get(t) != "passed" and pristine.get(t, "passed") == "passed"
+    )
+    known = sum(
+        1
+        for t, s in now.results.items()
+        if s != "passed" and pristine.get(t, "passed") != "passed"
+    )
+    row.upstream = (
+        f"{now.count('passed')} passed, {len(regressions)} regressions, "
+        f"{known} not passing on pristine either"
+    )
+    row.passed += now.count("passed")
+    row.failed += len(regressions)
+    row.notes += [
+        f"regression: {t}" + ("" if t in now.results else " (did not run)")
+        for t in regressions
+    ]
+    row.ok = row.ok and not regressions and bool(now.results)
+
+
+def judge_against_pristine(
+    python: str,
+    tree: Path,
+    site0: Path,
+    rows: list[Row],
+    work: Path,
+    out: Path,
+) -> None:
+    """Run the pristine baseline for the rows' upstream tests, less the
+    settled ones, and judge each row's upstream column against it."""
+    runs = [row.upstream_run for row in rows if row.upstream_run is not None]
+    files = sorted({f for run in runs for f in run.files})
+    settled = settled_tests(runs)
+    if files:
+        print(
+            f"qualify: pristine baseline ({len(settled)} tests passed on the "
+            "stack wherever they ran, left out)",
+            flush=True,
+        )
+    base = baseline(python, tree, site0, files, work, out, settled)
+    for row in rows:
+        judge_upstream(row, base)
 
 
 def qualify_layer(
@@ -336,11 +444,12 @@ def qualify_layer(
     tree: Path,
     wheel: Path,
     site0: Path,
-    base: Outcomes,
     python: str,
     work: Path,
     out: Path,
 ) -> Row:
+    """Layer ``layer``'s row: applies, imports, its focused suite, and its
+    upstream tests run (judged later by ``judge_against_pristine``)."""
     row = Row(f"{layer.number} {layer.name}")
     n = layer.number
     result = build(stack, pin, tree, wheel, work / f"dist-{n}", n)
@@ -355,7 +464,7 @@ def qualify_layer(
     suite = [p for p in layer.patch.suite if (stack.root / p).exists()]
     if suite:
         junit = out / f"layer-{n}-focused.xml"
-        code, focused = run_pytest(python, stack.root, site, suite, junit, [])
+        code, focused = run_pytest(python, stack.root, site, suite, junit)
         junits.append(junit)
         judge_suite(row, code, focused, may_be_empty=empty)
     else:
@@ -366,37 +475,14 @@ def qualify_layer(
         dest = work / f"tests-{n}"
         export_tests(tree, layer_tag(n), dest, tests)
         junit = out / f"layer-{n}-upstream.xml"
-        code, now = run_pytest(python, dest, site, sorted(tests), junit, [])
+        code, now = run_pytest(python, dest, site, sorted(tests), junit)
         junits.append(junit)
         if not completed(code, junit):
             row.ok = False
             row.notes.append(
                 f"upstream tests did not run to the end (pytest exit code {code})"
             )
-        # A test that passed on pristine must pass here: failing, new and
-        # failing, or no longer run at all are regressions alike.
-        pristine = {t: s for t, s in base.results.items() if of_files(t, tests)}
-        regressions = sorted(
-            t
-            for t in {*now.results, *pristine}
-            if now.results.get(t) != "passed" and pristine.get(t, "passed") == "passed"
-        )
-        known = sum(
-            1
-            for t, s in now.results.items()
-            if s != "passed" and pristine.get(t, "passed") != "passed"
-        )
-        row.upstream = (
-            f"{now.count('passed')} passed, {len(regressions)} regressions, "
-            f"{known} not passing on pristine either"
-        )
-        row.passed += now.count("passed")
-        row.failed += len(regressions)
-        row.notes += [
-            f"regression: {t}" + ("" if t in now.results else " (did not run)")
-            for t in regressions
-        ]
-        row.ok = row.ok and not regressions and bool(now.results)
+        row.upstream_run = UpstreamRun(sorted(tests), now)
     if bad:
         row.ok = False
     _combine_junit(junits, out / f"layer-{n}.xml")
@@ -446,7 +532,6 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         stack.root / "build",
         ["tests/tooling"],
         out / "tooling.xml",
-        [],
     )
     judge_suite(rows[0], code, tooling)
 
@@ -469,15 +554,14 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         _finish(rows, out, start)
         return
     site0 = pristine_site(args.python, wheel, work)
-    wanted = sorted({t for layer in targets for t in layer.patch.upstream_tests})
-    base = baseline(args.python, tree, site0, wanted, work, out)
+    layer_rows = []
     for layer in targets:
         print(f"qualify: layer {layer.number} ({layer.name})", flush=True)
-        rows.append(
-            qualify_layer(
-                stack, pin, layer, tree, wheel, site0, base, args.python, work, out
-            )
+        layer_rows.append(
+            qualify_layer(stack, pin, layer, tree, wheel, site0, args.python, work, out)
         )
+    judge_against_pristine(args.python, tree, site0, layer_rows, work, out)
+    rows += layer_rows
     if upto > 1:
         rows.append(lower_suites_on_top(stack, upto, args.python, work, out))
     _finish(rows, out, start)
@@ -501,7 +585,7 @@ def lower_suites_on_top(
         return row
     print(f"qualify: suites of layers 1..{upto - 1} on the 1..{upto} install")
     junit = out / f"lower-suites-on-{upto}.xml"
-    code, outcomes = run_pytest(python, stack.root, site, suites, junit, [])
+    code, outcomes = run_pytest(python, stack.root, site, suites, junit)
     row.imports = "ok"
     judge_suite(row, code, outcomes)
     return row

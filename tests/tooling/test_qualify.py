@@ -8,6 +8,7 @@ The tests run with this interpreter, which has pytest and pytest-timeout.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import zipfile
@@ -21,15 +22,18 @@ from k3stack.gitutil import git
 from k3stack.qualify import (
     Outcomes,
     Row,
+    UpstreamRun,
     _finish,
     baseline,
     check_imports,
     export_tests,
+    judge_against_pristine,
     judge_suite,
     of_files,
     qualify_command,
     qualify_layer,
     read_junit,
+    settled_tests,
 )
 
 PYTHON = sys.executable
@@ -57,10 +61,11 @@ def qualify_layer_3(syn: Synthetic, tmp_path: Path, site0: Path) -> Row:
     stack = syn.stack()
     layer = stack.layer(3)
     work, out = tmp_path / "work", tmp_path / "out"
-    base = baseline(PYTHON, syn.tree, site0, layer.patch.upstream_tests, work, out)
-    return qualify_layer(
-        stack, syn.pin, layer, syn.tree, syn.wheel, site0, base, PYTHON, work, out
+    row = qualify_layer(
+        stack, syn.pin, layer, syn.tree, syn.wheel, site0, PYTHON, work, out
     )
+    judge_against_pristine(PYTHON, syn.tree, site0, [row], work, out)
+    return row
 
 
 def change_layer_3(syn: Synthetic, edit: dict[str, str]) -> None:
@@ -345,18 +350,8 @@ def test_a_layer_with_changes_and_no_suite_fails_its_row(
     stack = filled.stack()
     layer = stack.layer(2)
     work, out = tmp_path / "work", tmp_path / "out"
-    base = baseline(PYTHON, filled.tree, site0, layer.patch.upstream_tests, work, out)
     row = qualify_layer(
-        stack,
-        filled.pin,
-        layer,
-        filled.tree,
-        filled.wheel,
-        site0,
-        base,
-        PYTHON,
-        work,
-        out,
+        stack, filled.pin, layer, filled.tree, filled.wheel, site0, PYTHON, work, out
     )
     assert row.focused == "FAIL (no suite)"
     assert not row.ok
@@ -392,3 +387,46 @@ def test_the_baseline_is_not_reused_for_another_set_of_upstream_tests(
         "tests.test_model::test_step_one": "passed",
         "tests.test_more::test_more": "passed",
     }
+
+
+def test_tests_the_stack_passed_are_left_out_of_the_pristine_run(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    text = (
+        "import pytest\n\n\nclass TestShapes:\n"
+        "    @pytest.mark.parametrize('p', ['a/b', 'c::d', 'e[f]'])\n"
+        "    def test_shape(self, p):\n        assert p\n"
+    )
+    sdist = with_upstream_test(filled, tmp_path, "tests/test_shapes.py", text)
+    site0 = prepare(filled, tmp_path, sdist)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert row.ok, row.notes
+    assert row.upstream == "4 passed, 0 regressions, 0 not passing on pristine either"
+    pristine = read_junit(tmp_path / "out" / "baseline.xml")
+    assert pristine.results == {}
+    report = json.loads((tmp_path / "out" / "baseline.json").read_text())
+    assert len(report["not_run_on_pristine_passed_on_the_stack"]) == 4
+
+
+ENV_A, ENV_C = "tests.test_envs::test_a", "tests.test_envs::test_c"
+
+
+def run_of(files: list[str], results: dict[str, str]) -> UpstreamRun:
+    return UpstreamRun(files, Outcomes(results))
+
+
+def test_a_test_one_layer_failed_is_not_settled_by_another_that_passed_it() -> None:
+    runs = [
+        run_of(["tests/test_envs.py"], {ENV_A: "passed", ENV_C: "passed"}),
+        run_of(["tests/test_envs.py"], {ENV_A: "failed", ENV_C: "passed"}),
+    ]
+    assert settled_tests(runs) == {ENV_C}
+
+
+def test_a_test_missing_from_a_layer_that_runs_its_file_is_not_settled() -> None:
+    runs = [
+        run_of(["tests/test_envs.py"], {ENV_A: "passed", ENV_C: "passed"}),
+        run_of(["tests/test_envs.py", "tests/test_b.py"], {ENV_C: "passed"}),
+        run_of(["tests/test_b.py"], {"tests.test_b::test_b": "passed"}),
+    ]
+    assert settled_tests(runs) == {ENV_C}
