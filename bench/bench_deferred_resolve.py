@@ -228,12 +228,8 @@ class Step:
         """Reply thread: the round trip into staging, then release ``gate``
         (a ``ReplyGate``), marked sent once the PROPOSE left (layer 3's
         ``DeferredResolution._reply``)."""
-        client = self.drafter.client
-        client.on_sent = gate.mark_sent
-        try:
+        with self.drafter.client.reporting_sent(gate.mark_sent):
             gate.deliver(self.round_trip, self.failed)
-        finally:
-            client.on_sent = None
 
     def gpu_work(self) -> None:
         self.drafts.copy_(self.staging, non_blocking=True)

@@ -344,7 +344,7 @@ def baseline(
         select.write_text(json.dumps(sorted(settled)))
         code, outcomes = run_pytest(python, dest, site0, sorted(tests), junit, select)
         # Exit code 5: nothing left to run once the settled tests are out.
-        if not completed(code, junit) and not (code == 5 and junit.is_file()):
+        if code not in (*COMPLETED, 5) or not junit.is_file():
             raise StackError(
                 "the upstream tests did not run to the end on pristine upstream "
                 f"(pytest exit code {code}); there is no baseline to judge by"

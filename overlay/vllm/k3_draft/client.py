@@ -19,11 +19,13 @@ previous release names itself in PONG only) is refused at the handshake.
 ``on_sent``, when set, is called (and must not raise) on the calling thread
 after each request has been handed to ZeroMQ and before its reply is
 awaited: another thread may resume once this one only waits for the server.
+``reporting_sent`` sets it for a block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,6 +323,15 @@ class DraftClient:
     def _sent(self) -> None:
         if self.on_sent is not None:
             self.on_sent()
+
+    @contextlib.contextmanager
+    def reporting_sent(self, callback: Callable[[], None]) -> Iterator[None]:
+        """``on_sent = callback`` for the block, cleared however it ends."""
+        self.on_sent = callback
+        try:
+            yield
+        finally:
+            self.on_sent = None
 
     def finish_handshake(
         self, needs: ServerRequirements, known_server_id: str | None, wait_ms: int

@@ -384,15 +384,11 @@ class DeferredResolution(ImmediateResolution):
         """Deliver ``step``'s reply into ``slot``, marking it sent once the
         first request of the step is on its way."""
         assert self.speculator.plan is not None
-        client = self.speculator.plan.client
-        client.on_sent = slot.reply.mark_sent
-        try:
+        with self.speculator.plan.client.reporting_sent(slot.reply.mark_sent):
             slot.reply.deliver(
                 lambda: self._fill(step, slot),
                 lambda exc: self._fail(step, slot, exc),
             )
-        finally:
-            client.on_sent = None
 
     def _fill(self, step: RemoteStep, slot: _Slot) -> None:
         staged = slot.host_tokens[: step.num_reqs]
