@@ -50,9 +50,10 @@ from vllm.k3_draft.client import DraftClient
 from vllm.k3_draft.logits_codec import LogitsFormat
 from vllm.k3_draft.plan import Proposal
 
-ENGINES = Path(__file__).resolve().parent.parent / "tests" / "layer2"
-sys.path.insert(0, str(ENGINES))
-from k3_l2_engines import free_tcp_port  # noqa: E402
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+ENGINES = TESTS / "layer2"
+sys.path.insert(0, str(TESTS / "layer1"))
+from k3_layer1_server import free_tcp_port  # noqa: E402
 
 VOCAB = 163_840
 K = 3

@@ -50,7 +50,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -118,12 +117,6 @@ DRAFT_MERGE_TOL = 1e-5
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def load_by_path(path: Path, name: str) -> types.ModuleType:
@@ -968,6 +961,7 @@ def _python_path_env() -> dict[str, str]:
 def run_world(n: int, server: Any, workdir: Path, timeout_s: float) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
+    from k3_layer1_server import free_tcp_port
 
     use_nccl = torch.cuda.is_available() and n <= torch.cuda.device_count()
     backend = "nccl" if use_nccl else "gloo"
@@ -1046,9 +1040,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     with tempfile.TemporaryDirectory(prefix="k3-multi-rank-") as tmp:
         workdir = Path(tmp)
-        # The layer-1 tests' server helper; it inherits this environment.
+        # The layer-1 tests' server helpers; the server inherits this
+        # environment.
         sys.path.insert(0, str(TOY_TARGET_DIR))
-        from k3_layer1_server import DraftServerProcess
+        from k3_layer1_server import DraftServerProcess, free_tcp_port
 
         server = DraftServerProcess(
             workdir / "server", address=f"tcp://127.0.0.1:{free_tcp_port()}"

@@ -12,7 +12,9 @@ and renews the socket after a timeout. ``propose_message`` builds a PROPOSE.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -50,13 +52,32 @@ _START_TIMEOUT_S = 180.0
 _PORT_ATTEMPTS = 3
 # The server's refusal when its status port is taken (standalone entrypoint).
 _STATUS_PORT_TAKEN = "cannot serve status on"
+# free_tcp_port's blocks: 12 of 1,000 ports from 20000, below the ephemeral
+# range (32768-60999 by default) from which the kernel picks ports itself.
+_PORT_BASE = 20_000
+_PORTS_PER_WORKER = 1_000
+_PORT_BLOCKS = 12
+_port_draws = itertools.count(os.getpid())
 
 
 def free_tcp_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback TCP port, free a moment ago, that neither another
+    pytest-xdist worker nor the kernel (outgoing connections, binds to port 0)
+    hands out before the caller binds it: each worker draws from its own block
+    below the ephemeral range, each process from its own place in the block,
+    and a port comes round again only after 1,000 draws."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    block = _PORT_BASE + (int(worker) % _PORT_BLOCKS) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = block + next(_port_draws) % _PORTS_PER_WORKER
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    last = block + _PORTS_PER_WORKER - 1
+    raise RuntimeError(f"no free loopback port in {block}..{last}")
 
 
 def cli_args(options: dict[str, Any]) -> list[str]:

@@ -17,7 +17,6 @@ process of its own (the benchmark's server).
 from __future__ import annotations
 
 import argparse
-import socket
 import threading
 
 import torch
@@ -36,12 +35,6 @@ from vllm.k3_draft.protocol import load_capability_plugins
 from vllm.k3_draft.server import DraftServer
 
 CONTEXT_WIDTH = 8
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def table_limits(
@@ -123,14 +116,16 @@ class TableEngine(DraftEngine):
 
 
 class LoopbackServer:
-    """``DraftServer(engine)`` on a loopback TCP port, served by a thread."""
+    """``DraftServer(engine)`` on ``address`` (by default a loopback TCP port
+    that ZeroMQ picks at the bind), served by a thread."""
 
-    def __init__(self, engine: DraftEngine, address: str | None = None) -> None:
+    def __init__(self, engine: DraftEngine, address: str = "tcp://127.0.0.1:*") -> None:
         load_capability_plugins()
         self.server = DraftServer(engine)
-        self.address = address or f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.transport = RpcTransport(self.server, self.address, None)
+        self.transport = RpcTransport(self.server, address, None)
         self.transport.bind()
+        assert self.transport.endpoint is not None
+        self.address = self.transport.endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self.transport.serve, args=(self._stop, lambda: None), daemon=True

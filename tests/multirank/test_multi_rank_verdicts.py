@@ -24,6 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "multi_rank.py"
+LAYER1_TESTS = SCRIPT.parents[1] / "tests" / "layer1"
 
 
 def _module() -> Any:
@@ -36,6 +37,17 @@ def _module() -> Any:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     return module
+
+
+def _layer1_helpers() -> Any:
+    """Layer 1's test helpers (a draft server process, loopback ports), which
+    the script uses too. Imported when called: the ranks spawned from this
+    module import it, and must set Triton's interpreter before Triton loads."""
+    if str(LAYER1_TESTS) not in sys.path:
+        sys.path.insert(0, str(LAYER1_TESTS))
+    import k3_layer1_server
+
+    return k3_layer1_server
 
 
 def _reference(rows: int = 100) -> tuple[Any, Any]:
@@ -91,7 +103,7 @@ def _spawn(fn: Any, tmp_path: Path, *args: Any, ranks: int = 2) -> Any:
     import torch.multiprocessing as mp
 
     out = tmp_path / "rank0.json"
-    init = f"tcp://127.0.0.1:{_module().free_tcp_port()}"
+    init = f"tcp://127.0.0.1:{_layer1_helpers().free_tcp_port()}"
     mp.start_processes(
         fn, args=(init, str(out), *args), nprocs=ranks, join=True, start_method="spawn"
     )
@@ -101,11 +113,9 @@ def _spawn(fn: Any, tmp_path: Path, *args: Any, ranks: int = 2) -> Any:
 def _spawn_beside_a_server(fn: Any, tmp_path: Path, *args: Any) -> Any:
     """``_spawn(fn, tmp_path, *args, server_address, workdir)`` while a real
     reference draft server (layer 1's test process) listens on loopback."""
-    sys.path.insert(0, str(SCRIPT.parents[1] / "tests" / "layer1"))
-    from k3_layer1_server import DraftServerProcess
-
-    server = DraftServerProcess(
-        tmp_path / "server", address=f"tcp://127.0.0.1:{_module().free_tcp_port()}"
+    helpers = _layer1_helpers()
+    server = helpers.DraftServerProcess(
+        tmp_path / "server", address=f"tcp://127.0.0.1:{helpers.free_tcp_port()}"
     ).start()
     try:
         return _spawn(fn, tmp_path, *args, server.address, str(tmp_path))
@@ -197,7 +207,9 @@ class Server:
     def __init__(self, *args, **kwargs): pass
     def start(self): return self
     def stop(self): pass
-sys.modules["k3_layer1_server"] = types.SimpleNamespace(DraftServerProcess=Server)
+sys.modules["k3_layer1_server"] = types.SimpleNamespace(
+    DraftServerProcess=Server, free_tcp_port=lambda: 1
+)
 result = json.loads(sys.argv[2])
 module.run_world = lambda n, server, workdir, timeout_s: dict(result, world_size=n)
 sys.exit(module.main(["--world-sizes", "1", "--out", sys.argv[3]]))
