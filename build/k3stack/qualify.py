@@ -50,9 +50,9 @@ PER_TEST_TIMEOUT_S = 300
 SETTLED_PLUGIN_DIR = Path(__file__).parent / "pytest_plugins"
 SETTLED_ENV = "K3_QUALIFY_SETTLED"
 # Our own suites run on two pytest-xdist workers: their tests wait on server
-# processes and sockets much of the time (layer 1's suite: 245 s in one
-# process, 165 s on two, on the 2-core build box). Upstream's tests run in one
-# process, as upstream's CI runs them.
+# processes and sockets much of the time (layer 1's suite in CI on the 2-core
+# build box: 252 s in one process, 133-152 s on two). Upstream's tests run in
+# one process, as upstream's CI runs them.
 SUITE_WORKERS = ["-n", "2"]
 # pytest's exit codes for a run that went to the end (with or without failures).
 COMPLETED = (0, 1)
