@@ -54,8 +54,10 @@ SETTLED_ENV = "K3_QUALIFY_SETTLED"
 # build box: 252 s in one process, 133-152 s on two). Upstream's tests run in
 # one process, as upstream's CI runs them.
 SUITE_WORKERS = ["-n", "2"]
-# pytest's exit codes for a run that went to the end (with or without failures).
+# pytest's exit codes for a run that went to the end (with or without failures),
+# and for one that had nothing to run (every test deselected).
 COMPLETED = (0, 1)
+NOTHING_TO_RUN = 5
 
 
 @dataclass
@@ -176,7 +178,7 @@ def run_pytest(
     )
     tail = proc.stdout.strip().splitlines()[-1:] or [""]
     print(f"qualify:   pytest {' '.join(targets)[:90]} -> {tail[0][:120]}", flush=True)
-    if proc.returncode not in (*COMPLETED, 5):
+    if proc.returncode not in (*COMPLETED, NOTHING_TO_RUN):
         print(proc.stdout[-4000:], file=sys.stderr)
     return proc.returncode, read_junit(junit)
 
@@ -350,8 +352,8 @@ def baseline(
         select = work / "settled.json"
         select.write_text(json.dumps(sorted(settled)))
         code, outcomes = run_pytest(python, dest, site0, sorted(tests), junit, select)
-        # Exit code 5: nothing left to run once the settled tests are out.
-        if code not in (*COMPLETED, 5) or not junit.is_file():
+        # Nothing may be left to run once the settled tests are out.
+        if code not in (*COMPLETED, NOTHING_TO_RUN) or not junit.is_file():
             raise StackError(
                 "the upstream tests did not run to the end on pristine upstream "
                 f"(pytest exit code {code}); there is no baseline to judge by"

@@ -24,7 +24,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "multi_rank.py"
-LAYER1_TESTS = SCRIPT.parents[1] / "tests" / "layer1"
 
 
 def _module() -> Any:
@@ -43,8 +42,9 @@ def _layer1_helpers() -> Any:
     """Layer 1's test helpers (a draft server process, loopback ports), which
     the script uses too. Imported when called: the ranks spawned from this
     module import it, and must set Triton's interpreter before Triton loads."""
-    if str(LAYER1_TESTS) not in sys.path:
-        sys.path.insert(0, str(LAYER1_TESTS))
+    folder = str(_module().TOY_TARGET_DIR)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     import k3_layer1_server
 
     return k3_layer1_server
