@@ -7,7 +7,10 @@ ZeroMQ transport around the synthetic ``TableEngine`` of
 ``tests/layer2/k3_l2_engines.py``, whose bf16 logits have the Kimi vocabulary,
 V = 163,840) answers steady-state PROPOSEs of ``batch`` requests, K = 3, that
 ask for the full-vocabulary logits or their top-k slices (k in 16, 64, 256);
-the cases are interleaved, request by request. The logits live on
+the cases are interleaved, request by request, each sending its header as
+the verifier does (``encode_propose_request``; the round trip's clock starts
+where ``plan.py``'s does) and each served from the table engine's kept
+outputs of its batch. The logits live on
 ``--device`` (``cuda``: the top-k selection and the copy to the host run on the
 GPU, as on a GPU draft server). The client is layer 2's: the reply is
 validated and staged by ``RemoteDraftLogits.consume`` (``--no-consume`` where
@@ -99,6 +102,7 @@ class Case:
         self.client = client
         self.batch = batch
         self.fmt = LogitsFormat(VOCAB, topk)
+        self.fields = self.fmt.request_fields()
         self.name = f"b{batch} " + (f"top-{topk}" if topk else "full")
         self.extension = None
         if consume:
@@ -115,30 +119,26 @@ class Case:
         self.samples: dict[str, list[float]] = {
             key: [] for key in ("rtt", "server", "engine", "consume", "bytes")
         }
-        self._requests(reset=True)
+        self._propose(self._wire(reset=True))
 
-    def _requests(self, reset: bool) -> tuple[dict[str, Any], list[Any]]:
-        wire = [
-            {
-                "request_id": rid,
-                "reset": reset,
-                "reset_position": int(anchor),
-                "context_count": 0,
-                "anchor_token_id": i,
-                "anchor_position": int(anchor),
-            }
+    def _wire(self, reset: bool) -> list[tuple[str, bool, int, int, int, int]]:
+        return [
+            (rid, reset, int(anchor), 0, i, int(anchor))
             for i, (rid, anchor) in enumerate(zip(self.ids, self.anchors))
         ]
-        return self.client.call(
-            protocol.OP_PROPOSE,
-            num_speculative_tokens=K,
-            requests=wire,
-            **self.fmt.request_fields(),
-        )
+
+    def _propose(
+        self, wire: list[tuple[str, bool, int, int, int, int]]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """One PROPOSE as the verifier sends it (``plan.py``: the header
+        formatted by ``encode_propose_request``)."""
+        request = protocol.encode_propose_request(K, wire, self.fields)
+        return self.client.call_encoded(protocol.OP_PROPOSE, request)
 
     def run(self, record: bool) -> None:
+        wire = self._wire(reset=False)
         start = time.perf_counter()
-        header, frames = self._requests(reset=False)
+        header, frames = self._propose(wire)
         received = time.perf_counter()
         ((meta, logits_frames),) = protocol.extension_frames(header, frames).values()
         if self.extension is not None:
