@@ -32,6 +32,7 @@ if [ "$gpus" -lt 2 ]; then
 fi
 timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m "$marks" \
   tests/layer1/test_reference_engine.py tests/layer2/test_topk_graphs_gpu.py \
+  tests/layer2/test_topk_select.py \
   tests/layer3/test_stream_gate_gpu.py \
   tests/layer4/test_slot_mapping_gpu.py tests/layer5/test_fused_mla_verify_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.txt" | tail -20 || status=1

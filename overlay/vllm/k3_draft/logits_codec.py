@@ -32,8 +32,8 @@ ones), so ``logit / T < 2**16 * 100``, whereas a bf16 near its maximum
 (3.4e38) overflows at any T < 1, fixes the Gumbel draw and makes the
 rejection sampler's q NaN; a large negative value becomes -inf at worst,
 weight 0, while the slot's small value keeps its softmax defined. This module
-imports only the standard library, numpy and torch: the draft server uses it
-too.
+imports only the standard library, numpy and torch (and, for CUDA logits on
+the draft server, Triton): the draft server uses it too.
 """
 
 from __future__ import annotations
@@ -194,14 +194,23 @@ def reply_metadata(
 def topk_frame(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The top-k frame's bytes (uint8, on the logits' device) of ``logits``
     ``[R, K, V]``: the ``k`` largest bf16 values of each slot, then their ids
-    as int32, both ``[R, K, k]`` (ties broken by the device's ``topk``)."""
+    as int32, both ``[R, K, k]``. CUDA logits are selected by
+    ``topk_select.topk_rows`` where it serves ``(V, k)`` (column order, ties
+    to the smaller id), others by ``torch.topk`` (its order and ties)."""
     values = logits.to(torch.bfloat16).contiguous()
-    values, ids = values.topk(k, dim=-1, sorted=False)
+    rows, vocab = values.shape[0] * values.shape[1], values.shape[2]
+    selected = None
+    if values.is_cuda and rows:
+        from vllm.k3_draft import topk_select
+
+        if topk_select.supports(vocab, k):
+            selected = topk_select.topk_rows(values.view(rows, vocab), k)
+    if selected is None:
+        top, ids = values.topk(k, dim=-1, sorted=False)
+        selected = top.contiguous(), ids.to(torch.int32)
+    top, ids = selected
     return torch.cat(
-        (
-            values.contiguous().view(torch.uint8).reshape(-1),
-            ids.to(torch.int32).view(torch.uint8).reshape(-1),
-        )
+        (top.view(torch.uint8).reshape(-1), ids.view(torch.uint8).reshape(-1))
     )
 
 
