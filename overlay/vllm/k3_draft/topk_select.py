@@ -16,9 +16,10 @@ than k larger ones in its row has fewer in its chunk). Stage 2, one program
 per row: the same selection over the row's candidates. A selection finds the
 k-th largest 16-bit key by a bitwise search (16 counts over the block), then
 takes every larger key and the first equal ones (a cumulative sum). Callers
-use ``torch.topk`` where ``supports`` is false: k above 64, where this was
-slower than ``torch.topk`` on the H200 (``docs/p2-draft-logits.md``), or more
-candidates per row than one program takes.
+use ``torch.topk`` where ``supports`` is false: k above 64 (measured on the
+H200 at k = 16 and 64 faster than ``torch.topk``, at 256 slower;
+``docs/p2-draft-logits.md``), or more candidates per row than one program
+takes.
 """
 
 from __future__ import annotations
