@@ -120,6 +120,7 @@ class Case:
             key: [] for key in ("rtt", "server", "engine", "consume", "bytes")
         }
         self._propose(self._wire(reset=True))
+        self._steady = self._wire(reset=False)
 
     def _wire(self, reset: bool) -> list[tuple[str, bool, int, int, int, int]]:
         return [
@@ -136,9 +137,8 @@ class Case:
         return self.client.call_encoded(protocol.OP_PROPOSE, request)
 
     def run(self, record: bool) -> None:
-        wire = self._wire(reset=False)
         start = time.perf_counter()
-        header, frames = self._propose(wire)
+        header, frames = self._propose(self._steady)
         received = time.perf_counter()
         ((meta, logits_frames),) = protocol.extension_frames(header, frames).values()
         if self.extension is not None:
