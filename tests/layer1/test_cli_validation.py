@@ -54,6 +54,7 @@ def test_valid_reference_arguments_parse():
         ("--block-size", "16"),
         ("--min-free-memory-gib", "1.0"),
         ("--status-port", "8101"),
+        ("--busy-poll-us", "0"),
         ("--device", "cuda"),
         ("--hidden-size", "64"),
     ],
@@ -92,6 +93,11 @@ def test_help_says_authorized_keys_take_effect_at_the_next_start(capsys):
 @pytest.mark.parametrize("value", ["0", "-3", "x", "1.5"])
 def test_counts_must_be_positive_integers(flag, value, capsys):
     assert flag in refused([flag, value], capsys)
+
+
+@pytest.mark.parametrize("value", ["-1", "1000001", "x", "0.5"])
+def test_busy_poll_must_be_an_integer_within_its_bounds(value, capsys):
+    assert "--busy-poll-us" in refused(["--busy-poll-us", value], capsys)
 
 
 def test_the_smallest_count_is_accepted():

@@ -29,6 +29,7 @@ from k3_layer1_server import (
 )
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport, SocketFileLost
+from vllm.entrypoints.k3_dspark_standalone import parse_args, run
 from vllm.k3_draft import protocol
 from vllm.k3_draft.engine import DraftLimits
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
@@ -146,22 +147,33 @@ class _LargeReplyServer:
         return [b'{"ok": true}', memoryview(self.frame)]
 
 
-class _LargeHeaderServer:
-    """What the transport sees of a draft server whose header limit is above
-    its context-row frame at full staging."""
+class _AtOnceServer:
+    """What the transport sees of a draft server that answers at once."""
 
     limits = SimpleNamespace(max_context_tokens=8)
     engine = SimpleNamespace(spec=SimpleNamespace(context_width=8))
-    max_header_bytes = 4 << 20
+    max_header_bytes = 1 << 16
 
     def handle(self, frames):
         return [b'{"ok": true}']
 
 
-def test_a_header_within_the_servers_header_limit_reaches_the_server(tmp_path):
-    address = f"ipc://{tmp_path}/draft.ipc"
-    transport = RpcTransport(_LargeHeaderServer(), address, None)
+class _LargeHeaderServer(_AtOnceServer):
+    """What the transport sees of a draft server whose header limit is above
+    its context-row frame at full staging."""
+
+    max_header_bytes = 4 << 20
+
+
+@contextlib.contextmanager
+def _served(
+    transport: RpcTransport,
+) -> Iterator[tuple[zmq.Socket, threading.Event, threading.Thread]]:
+    """``transport`` bound and served in a thread; yields a REQ client
+    connected to it, the serve loop's stop flag and its thread; stops and
+    closes it after."""
     transport.bind()
+    assert transport.endpoint is not None
     stop = threading.Event()
     thread = threading.Thread(target=transport.serve, args=(stop, lambda: None))
     thread.start()
@@ -169,16 +181,85 @@ def test_a_header_within_the_servers_header_limit_reaches_the_server(tmp_path):
     client = context.socket(zmq.REQ)
     client.setsockopt(zmq.LINGER, 0)
     client.setsockopt(zmq.RCVTIMEO, 10_000)
+    client.connect(transport.endpoint)
     try:
-        client.connect(address)
-        client.send(b" " * (2 << 20))
-        assert client.recv() == b'{"ok": true}'
+        yield client, stop, thread
     finally:
         client.close()
         context.term()
         stop.set()
         thread.join()
         transport.close()
+
+
+def test_a_header_within_the_servers_header_limit_reaches_the_server(tmp_path):
+    address = f"ipc://{tmp_path}/draft.ipc"
+    transport = RpcTransport(_LargeHeaderServer(), address, None)
+    with _served(transport) as (client, _, _):
+        client.send(b" " * (2 << 20))
+        assert client.recv() == b'{"ok": true}'
+
+
+def test_requests_within_and_after_a_busy_poll_are_answered(tmp_path):
+    transport = RpcTransport(
+        _AtOnceServer(), f"ipc://{tmp_path}/draft.ipc", None, busy_poll_us=20_000
+    )
+    with _served(transport) as (client, _, _):
+        answers = []
+        for pause_s in (0.0, 0.0, 0.2):  # the last one after the poll ended
+            time.sleep(pause_s)
+            client.send(b"request")
+            answers.append(client.recv())
+    assert answers == [b'{"ok": true}'] * 3
+
+
+def test_stop_ends_a_busy_poll(tmp_path):
+    transport = RpcTransport(
+        _AtOnceServer(), f"ipc://{tmp_path}/draft.ipc", None, busy_poll_us=1_000_000
+    )
+    with _served(transport) as (client, stop, thread):
+        client.send(b"request")
+        client.recv()
+        stop.set()  # inside the one-second poll
+        thread.join(0.6)
+        stopped = not thread.is_alive()
+    assert stopped
+
+
+def test_the_busy_poll_flag_keeps_a_core_busy_only_within_its_window(tmp_path):
+    path = tmp_path / "draft.ipc"
+    args = parse_args(
+        ["--engine", "reference", "--device", "cpu", "--window-size", "64"]
+        + ["--status-port", str(free_tcp_port()), "--address", f"ipc://{path}"]
+        + ["--busy-poll-us", "800000"]
+    )
+    stop = threading.Event()
+    server = threading.Thread(target=run, args=(args, stop))
+    server.start()
+    client = RawClient(f"ipc://{path}")
+    try:
+        while not path.exists() and server.is_alive():
+            time.sleep(0.05)
+        assert client.call("PING")[0]["ok"]
+        start = time.process_time()
+        time.sleep(0.6)
+        polling = time.process_time() - start
+        time.sleep(0.4)  # the poll ends
+        start = time.process_time()
+        time.sleep(0.4)
+        sleeping = time.process_time() - start
+    finally:
+        client.close()
+        stop.set()
+        server.join()
+    assert polling > 0.15
+    assert sleeping < 0.05
+
+
+@pytest.mark.parametrize("busy_poll_us", [-1, 1_000_001])
+def test_a_busy_poll_outside_its_bounds_is_refused(busy_poll_us):
+    with pytest.raises(ValueError, match=r"busy_poll_us must be in \[0, 1000000\]"):
+        RpcTransport(_AtOnceServer(), "inproc://never", None, busy_poll_us=busy_poll_us)
 
 
 # With CURVE keys (client public, client secret, server public) the client is

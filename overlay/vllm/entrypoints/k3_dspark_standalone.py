@@ -55,7 +55,7 @@ if __name__ == "__main__":
 import torch
 import zmq
 
-from vllm.entrypoints.k3_dspark_rpc import RpcTransport
+from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US, RpcTransport
 from vllm.k3_draft.engine import (
     DraftEngine,
     DraftLimits,
@@ -114,6 +114,13 @@ def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"port {value} is out of range 1-65535")
+    return value
+
+
+def _busy_poll_us(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > MAX_BUSY_POLL_US:
+        raise argparse.ArgumentTypeError(f"{value} is above {MAX_BUSY_POLL_US}")
     return value
 
 
@@ -191,6 +198,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--allow-unsafe-remote-rpc",
         action="store_true",
         help="allow a non-loopback bind without CURVE (warned at every start)",
+    )
+    net.add_argument(
+        "--busy-poll-us",
+        type=_busy_poll_us,
+        default=0,
+        help="after each reply, poll the RPC socket without sleeping for this "
+        f"many microseconds (at most {MAX_BUSY_POLL_US}) before sleeping in a "
+        "receive: set it above the verifier's step time to answer PROPOSEs "
+        "without a thread wake-up, for one host core busy while requests keep "
+        "coming (default: %(default)s)",
     )
 
     limits = parser.add_argument_group("server bounds")
@@ -518,7 +535,11 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         return 1
     state.server = server
     transport = RpcTransport(
-        server, args.address, args.curve, args.allow_unsafe_remote_rpc
+        server,
+        args.address,
+        args.curve,
+        args.allow_unsafe_remote_rpc,
+        busy_poll_us=args.busy_poll_us,
     )
     try:
         transport.bind()
