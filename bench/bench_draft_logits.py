@@ -72,7 +72,9 @@ class _OneRank:
         return tensor
 
 
-def start_server(table_path: str, address: str, device: str) -> subprocess.Popen:
+def start_server(
+    table_path: str, address: str, device: str, busy_poll_us: int
+) -> subprocess.Popen:
     command = [
         sys.executable,
         str(ENGINES / "k3_l2_engines.py"),
@@ -83,6 +85,7 @@ def start_server(table_path: str, address: str, device: str) -> subprocess.Popen
         "--max-batch-size",
         str(max(BATCHES)),
         *("--device", device),
+        *("--busy-poll-us", str(busy_poll_us)),
     ]
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -232,6 +235,12 @@ def main() -> None:
         action="store_true",
         help="skip the client's staging (RemoteDraftLogits needs vllm)",
     )
+    parser.add_argument(
+        "--server-busy-poll-us",
+        type=int,
+        default=0,
+        help="the server's busy poll after each reply (microseconds)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -240,7 +249,9 @@ def main() -> None:
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     with tempfile.NamedTemporaryFile(suffix=".pt") as table_file:
         torch.save(table, table_file.name)
-        server = start_server(table_file.name, address, args.device)
+        server = start_server(
+            table_file.name, address, args.device, args.server_busy_poll_us
+        )
     client = DraftClient(address, 60_000)
     try:
         cases = [
@@ -290,6 +301,7 @@ def main() -> None:
         meta = {
             "cpus": os.cpu_count(),
             "device": args.device,
+            "server_busy_poll_us": args.server_busy_poll_us,
             "iters": args.iters,
             "vocab": VOCAB,
             "k": K,

@@ -128,10 +128,17 @@ class LoopbackServer:
     """``DraftServer(engine)`` on ``address`` (by default a loopback TCP port
     that ZeroMQ picks at the bind), served by a thread."""
 
-    def __init__(self, engine: DraftEngine, address: str = "tcp://127.0.0.1:*") -> None:
+    def __init__(
+        self,
+        engine: DraftEngine,
+        address: str = "tcp://127.0.0.1:*",
+        busy_poll_us: int = 0,
+    ) -> None:
         load_capability_plugins()
         self.server = DraftServer(engine)
-        self.transport = RpcTransport(self.server, address, None)
+        self.transport = RpcTransport(
+            self.server, address, None, busy_poll_us=busy_poll_us
+        )
         self.transport.bind()
         assert self.transport.endpoint is not None
         self.address = self.transport.endpoint
@@ -155,12 +162,14 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1 << 20)
     parser.add_argument("--device", default="cpu", help="where the logits live")
+    parser.add_argument("--busy-poll-us", type=int, default=0)
     args = parser.parse_args()
     table = torch.load(args.table)
     limits = table_limits(
         args.max_batch_size, table.shape[1], args.max_model_len, args.max_requests
     )
-    LoopbackServer(TableEngine(limits, table, torch.device(args.device)), args.address)
+    engine = TableEngine(limits, table, torch.device(args.device))
+    LoopbackServer(engine, args.address, args.busy_poll_us)
     print("serving", flush=True)
     threading.Event().wait()
 
