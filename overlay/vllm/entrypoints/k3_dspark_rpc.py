@@ -15,8 +15,9 @@ answering or from shutting down. A ZeroMQ failure ends ``serve`` with the
 error: the process then stops instead of reporting ready over a dead socket.
 With ``busy_poll_us``, ``serve`` polls the socket without sleeping for that
 long after each reply, then sleeps in a blocking receive: a request within
-the window skips the wake-up of a sleeping thread (about 100 us a round trip
-on the H200 host) for one core kept busy while requests keep coming.
+the window skips the wake-up of a sleeping thread (up to about 150 us of a
+round trip on the H200 hosts measured) for one core kept busy while requests
+keep coming.
 ``ipc://*`` binds a socket in a new temporary directory. An ipc socket file
 removed or replaced while the server runs (a temporary-file cleaner, another
 server) ends ``serve`` with ``SocketFileLost`` within a second (plus the
