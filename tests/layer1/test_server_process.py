@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -226,12 +227,17 @@ def test_stop_ends_a_busy_poll(tmp_path):
     assert stopped
 
 
-def test_the_busy_poll_flag_keeps_a_core_busy_only_within_its_window(tmp_path):
+@contextlib.contextmanager
+def _standalone_server(tmp_path: Path, *flags: str) -> Iterator[tuple[RawClient, int]]:
+    """The standalone server (reference engine, CPU, an ipc address, more
+    ``flags``) run in a thread; yields a client whose PING it answered and
+    its status port."""
     path = tmp_path / "draft.ipc"
+    status_port = free_tcp_port()
     args = parse_args(
         ["--engine", "reference", "--device", "cpu", "--window-size", "64"]
-        + ["--status-port", str(free_tcp_port()), "--address", f"ipc://{path}"]
-        + ["--busy-poll-us", "800000"]
+        + ["--status-port", str(status_port), "--address", f"ipc://{path}"]
+        + list(flags)
     )
     stop = threading.Event()
     server = threading.Thread(target=run, args=(args, stop))
@@ -241,6 +247,15 @@ def test_the_busy_poll_flag_keeps_a_core_busy_only_within_its_window(tmp_path):
         while not path.exists() and server.is_alive():
             time.sleep(0.05)
         assert client.call("PING")[0]["ok"]
+        yield client, status_port
+    finally:
+        client.close()
+        stop.set()
+        server.join()
+
+
+def test_the_busy_poll_flag_keeps_a_core_busy_only_within_its_window(tmp_path):
+    with _standalone_server(tmp_path, "--busy-poll-us", "800000"):
         start = time.process_time()
         time.sleep(0.6)
         polling = time.process_time() - start
@@ -248,12 +263,19 @@ def test_the_busy_poll_flag_keeps_a_core_busy_only_within_its_window(tmp_path):
         start = time.process_time()
         time.sleep(0.4)
         sleeping = time.process_time() - start
-    finally:
-        client.close()
-        stop.set()
-        server.join()
     assert polling > 0.15
     assert sleeping < 0.05
+
+
+def test_the_status_server_answers_while_the_rpc_socket_is_polled(tmp_path):
+    with _standalone_server(tmp_path, "--busy-poll-us", "1000000") as (_, port):
+        start = time.monotonic()
+        url = f"http://127.0.0.1:{port}/v1/status"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            status = json.load(reply)
+        elapsed = time.monotonic() - start
+    assert status["requests_by_op"]["PING"] == 1
+    assert elapsed < 0.5  # within the one-second poll
 
 
 @pytest.mark.parametrize("busy_poll_us", [-1, 1_000_001])
