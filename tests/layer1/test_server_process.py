@@ -182,8 +182,8 @@ def _served(
     client = context.socket(zmq.REQ)
     client.setsockopt(zmq.LINGER, 0)
     client.setsockopt(zmq.RCVTIMEO, 10_000)
-    client.connect(transport.endpoint)
     try:
+        client.connect(transport.endpoint)
         yield client, stop, thread
     finally:
         client.close()
