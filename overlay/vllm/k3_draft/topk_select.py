@@ -15,11 +15,11 @@ in column order; a row's k largest are among its chunks' (a value with fewer
 than k larger ones in its row has fewer in its chunk). Stage 2, one program
 per row: the same selection over the row's candidates. A selection finds the
 k-th largest 16-bit key by a bitwise search (16 counts over the block), then
-takes every larger key and the first equal ones (a cumulative sum). Callers
-use ``torch.topk`` where ``supports`` is false: k above 64 (measured on the
-H200 at k = 16 and 64 faster than ``torch.topk``, at 256 slower;
-``docs/p2-draft-logits.md``), or more candidates per row than one program
-takes.
+takes every larger key and the first equal ones, placed by one cumulative sum
+that counts both. Callers use ``torch.topk`` where ``supports`` is false: k
+above 64 (measured on the H200 at k = 16 and 64 faster than ``torch.topk``,
+at 256 slower; ``docs/p2-draft-logits.md``), or more candidates per row than
+one program takes.
 """
 
 from __future__ import annotations
@@ -51,18 +51,23 @@ def _keys(x):
 
 
 @triton.jit
-def _take(keys, K: tl.constexpr):
-    """Mask of the K largest of ``keys`` (ties: the first ones); -1 is padding
-    and never taken while K others exist."""
+def _select(keys, K: tl.constexpr):
+    """Where each of the K largest of ``keys`` goes among them, in column
+    order (ties: the first ones), -1 for the others; -1 is padding and never
+    taken while K others exist. At most 65,535 keys."""
     kth = 0
     for bit in tl.static_range(15, -1, -1):
         probe = kth | (1 << bit)
         count = tl.sum((keys >= probe).to(tl.int32), 0)
         kth = tl.where(count >= K, probe, kth)
     above = keys > kth
-    equal = (keys == kth).to(tl.int32)
+    equal = keys == kth
     room = K - tl.sum(above.to(tl.int32), 0)
-    return above | ((equal != 0) & (tl.cumsum(equal, 0) <= room))
+    # One scan counts both: larger keys in the low 16 bits, equal ones above.
+    seen = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), 0)
+    seen_equal = seen >> 16
+    take = above | (equal & (seen_equal <= room))
+    return tl.where(take, (seen & 0xFFFF) + tl.minimum(seen_equal, room) - 1, -1)
 
 
 @triton.jit
@@ -83,13 +88,12 @@ def _chunk_stage(
     valid = cols < num_cols
     x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=valid, other=0.0)
     keys = tl.where(valid, _keys(x), -1)
-    take = _take(keys, K)
-    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    slot = _select(keys, K)
     base = (row * num_chunks + chunk) * K
-    tl.store(cand_keys_ptr + base + slot, keys, mask=take)
-    tl.store(cand_cols_ptr + base + slot, cols, mask=take)
-    # A chunk with fewer than K columns pads its candidates.
-    taken = tl.sum(take.to(tl.int32), 0)
+    tl.store(cand_keys_ptr + base + slot, keys, mask=slot >= 0)
+    tl.store(cand_cols_ptr + base + slot, cols, mask=slot >= 0)
+    # A chunk with fewer than K columns takes them all and pads the rest.
+    taken = tl.minimum(num_cols - chunk * CHUNK, K)
     rest = tl.arange(0, K_POW2)
     tl.store(
         cand_keys_ptr + base + rest,
@@ -115,8 +119,8 @@ def _row_stage(
     present = offs < num_cand
     keys = tl.load(cand_keys_ptr + row * num_cand + offs, mask=present, other=-1)
     cols = tl.load(cand_cols_ptr + row * num_cand + offs, mask=present, other=0)
-    take = _take(keys, K)
-    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    slot = _select(keys, K)
+    take = slot >= 0
     values = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=take)
     tl.store(values_ptr + row * K + slot, values, mask=take)
     tl.store(ids_ptr + row * K + slot, cols, mask=take)
