@@ -200,7 +200,7 @@ def topk_frame(logits: torch.Tensor, k: int) -> torch.Tensor:
     values = logits.to(torch.bfloat16).contiguous()
     rows, vocab = values.shape[0] * values.shape[1], values.shape[2]
     selected = None
-    if values.is_cuda and rows:
+    if values.is_cuda:
         from vllm.k3_draft import topk_select
 
         if topk_select.supports(vocab, k):
