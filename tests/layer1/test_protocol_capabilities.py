@@ -46,6 +46,31 @@ class FloatLogits(ReplyExtension):
         return meta, [protocol.tensor_frame(logits)]
 
 
+class QueuedFrame(FloatLogits):
+    """A test capability whose one frame is written only in ``wait_frames``
+    (as a device copy completes), or whose ``wait_frames`` fails."""
+
+    capability = "test_queued_v1"
+    request_fields = ("return_test_logits",)
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.calls: list[str] = []
+        self._frame = bytearray(4)
+
+    def build_reply(self, options, context):
+        self.calls.append("build_reply")
+        self._frame[:] = bytes(4)
+        return {}, [memoryview(self._frame)]
+
+    def wait_frames(self):
+        self.calls.append("wait_frames")
+        if self.fail:
+            raise RuntimeError("device fault")
+        self._frame[:] = b"done"
+
+
 def make_server(registry: CapabilityRegistry) -> DraftServer:
     limits = DraftLimits(16, 8, 4, 1024, 4096, 16, 64, 128)
     model = ReferenceModelConfig(vocab_size=VOCAB, context_width=WIDTH)
@@ -204,3 +229,19 @@ def test_plugins_in_the_plugin_package_register_at_load(tmp_path, monkeypatch):
         for name in ("k3_test_plugins", "k3_test_plugins.logits"):
             sys.modules.pop(name, None)
     assert [e.capability for e in registry] == ["test_logits_f32_v1"]
+
+
+def test_the_reply_carries_the_frames_as_wait_frames_left_them():
+    extension = QueuedFrame()
+    header, frames = propose(
+        make_server(registry_with(extension)), return_test_logits=True
+    )
+    assert header["ok"] and [bytes(f) for f in frames] == [b"done"]
+    assert extension.calls == ["build_reply", "wait_frames"]
+
+
+def test_a_failing_wait_frames_fails_the_propose_and_drops_its_requests():
+    server = make_server(registry_with(QueuedFrame(fail=True)))
+    header, frames = propose(server, return_test_logits=True)
+    assert header["error"] == "RuntimeError: device fault" and frames == []
+    assert server.requests == {} and server.allocator.num_free == 16

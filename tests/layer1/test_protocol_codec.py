@@ -87,7 +87,8 @@ def _timings(scale: float) -> dict[str, float]:
 def test_propose_reply_decodes_to_the_ok_reply_of_its_fields():
     timing = _timings(1.23456789)
     head = protocol.propose_reply_head('s"1\\é')
-    frame = protocol.encode_propose_reply(head, [[5, 6, 7], [8, 9, 10]], timing)
+    body = protocol.propose_reply_body(head, [[5, 6, 7], [8, 9, 10]])
+    frame = protocol.encode_propose_reply(body, timing)
     decoded = protocol.check_reply(protocol.decode_header(frame, 4096), "PROPOSE")
     rounded = {name: round(value, 4) for name, value in timing.items()}
     assert decoded == protocol.ok_reply(
@@ -102,7 +103,8 @@ def test_propose_reply_decodes_to_the_ok_reply_of_its_fields():
 def test_propose_reply_carries_the_extension_entries():
     entries = [{"capability": "c", "num_frames": 1, "shape": [1, 3, 4]}]
     head = protocol.propose_reply_head("s1")
-    frame = protocol.encode_propose_reply(head, [[1, 2, 3]], _timings(0.5), entries)
+    body = protocol.propose_reply_body(head, [[1, 2, 3]], entries)
+    frame = protocol.encode_propose_reply(body, _timings(0.5))
     assert protocol.decode_header(frame, 4096)["extensions"] == entries
 
 

@@ -44,23 +44,32 @@ def _eager(logits: torch.Tensor, k: int) -> bytes:
     return bytes(topk_frame(logits, k).cpu().numpy())
 
 
+def _write(
+    graphs: TopkGraphs, logits: torch.Tensor, k: int, host: torch.Tensor
+) -> bool:
+    """``graphs.write`` and the wait for what it queued."""
+    replayed = graphs.write(logits, k, host)
+    torch.cuda.current_stream().synchronize()
+    return replayed
+
+
 @pytest.mark.parametrize(("batch", "k"), [(1, 1), (1, 64), (8, 64), (8, 256)])
 def test_a_key_seen_twice_is_replayed_with_the_eager_frame(batch: int, k: int) -> None:
     graphs, logits = TopkGraphs(), _logits(batch, seed=k)
     host = _pinned(batch * K * k * 6)
-    assert not graphs.write(logits, k, host)  # first sighting: eager
-    assert graphs.write(logits, k, host)  # captured, replayed
+    assert not _write(graphs, logits, k, host)  # first sighting: eager
+    assert _write(graphs, logits, k, host)  # captured, replayed
     assert bytes(host.numpy()) == _eager(logits, k)
 
 
 def test_a_replay_reads_the_buffer_as_it_is_now() -> None:
     graphs, logits = TopkGraphs(), _logits(8, seed=1)
     host = _pinned(8 * K * 64 * 6)
-    graphs.write(logits, 64, host)
-    graphs.write(logits, 64, host)
+    _write(graphs, logits, 64, host)
+    _write(graphs, logits, 64, host)
     logits.copy_(_logits(8, seed=2))
     host.zero_()
-    assert graphs.write(logits, 64, host)
+    assert _write(graphs, logits, 64, host)
     assert bytes(host.numpy()) == _eager(logits, 64)
 
 
@@ -88,7 +97,7 @@ def test_another_shape_or_strides_at_one_address_is_a_new_key() -> None:
         buf.copy_(_logits(8, seed=20 + step))
         host.zero_()
         frame = host[: view.shape[0] * K * 64 * 6]
-        assert graphs.write(view, 64, frame) == replayed, step
+        assert _write(graphs, view, 64, frame) == replayed, step
         if replayed:
             assert bytes(frame.numpy()) == _eager(view, 64), step
         else:
@@ -100,17 +109,17 @@ def test_a_buffer_that_moves_every_call_is_never_captured() -> None:
     graphs = TopkGraphs()
     host = _pinned(8 * K * 64 * 6)
     kept = [_logits(8, seed=seed) for seed in range(4)]
-    assert not any(graphs.write(logits, 64, host) for logits in kept)
+    assert not any(_write(graphs, logits, 64, host) for logits in kept)
 
 
 def test_a_new_host_buffer_drops_the_graphs() -> None:
     graphs, logits = TopkGraphs(), _logits(1, seed=3)
     host = _pinned(K * 16 * 6)
-    graphs.write(logits, 16, host)
-    assert graphs.write(logits, 16, host)
+    _write(graphs, logits, 16, host)
+    assert _write(graphs, logits, 16, host)
     other = _pinned(K * 16 * 6)
-    assert not graphs.write(logits, 16, other)  # seen anew
-    assert graphs.write(logits, 16, other)
+    assert not _write(graphs, logits, 16, other)  # seen anew
+    assert _write(graphs, logits, 16, other)
     assert bytes(other.numpy()) == _eager(logits, 16)
 
 
@@ -118,14 +127,14 @@ def test_keys_beyond_the_bound_stay_eager_and_evict_nothing() -> None:
     graphs, logits = TopkGraphs(max_graphs=2), _logits(1, seed=4)
     host = _pinned(K * 3 * 6)
     for k in (1, 2, 3):
-        graphs.write(logits, k, host[: K * k * 6])
-    assert [graphs.write(logits, k, host[: K * k * 6]) for k in (1, 2, 3)] == [
+        _write(graphs, logits, k, host[: K * k * 6])
+    assert [_write(graphs, logits, k, host[: K * k * 6]) for k in (1, 2, 3)] == [
         True,
         True,
         False,
     ]
     assert len(graphs) == 2
-    assert graphs.write(logits, 1, host[: K * 6])  # still captured
+    assert _write(graphs, logits, 1, host[: K * 6])  # still captured
     assert bytes(host[: K * 6].numpy()) == _eager(logits, 1)
 
 
@@ -149,8 +158,45 @@ def test_repeated_proposes_replay_one_graph_writing_the_eager_frames() -> None:
         logits.copy_(_logits(8, seed=10 + seed))
         expected = _eager(logits, 64)
         meta, frames = reply.build_reply(options, context)
+        reply.wait_frames()
         assert meta == expected_meta
         assert [bytes(f) for f in frames] == [expected]
     # Captured at the second PROPOSE and replayed at the third: the staging
     # buffer was kept (a new one would have dropped the graph each time).
     assert len(reply._graphs) == 1
+
+
+def test_frames_of_changing_batches_and_formats_are_the_eager_bytes() -> None:
+    # One logits buffer viewed per batch size, as an engine with CUDA graphs
+    # returns it: each reply's staged frame, once wait_frames returned, is
+    # the eager encoder's, whether eager, captured or replayed.
+    info = {"vocab_size": VOCAB, "max_model_len": 1 << 20}
+    replies = {0: DraftLogitsReply(topk=False), 64: DraftLogitsReply(topk=True)}
+    buf = _logits(8, seed=7)
+    for step, batch in enumerate((8, 3, 8, 3, 8, 1)):
+        buf.copy_(_logits(8, seed=30 + step))
+        logits = buf[:batch]
+        anchors = tuple(range(100, 100 + batch))
+        context = protocol.ReplyContext(
+            tuple(f"r{i}" for i in range(batch)),
+            anchors,
+            K,
+            torch.zeros(batch, K, dtype=torch.int64),
+            logits,
+        )
+        for topk in (0, 64):
+            reply = replies[topk]
+            fmt = LogitsFormat(VOCAB, topk)
+            meta, frames = reply.build_reply(
+                reply.parse_request(fmt.request_fields(), info), context
+            )
+            reply.wait_frames()
+            expected_meta, expected = encode_logits(
+                logits, fmt, sample_positions(anchors, K, 1 << 20)
+            )
+            assert meta == expected_meta, (step, topk)
+            assert [bytes(f) for f in frames] == [bytes(expected.cpu().numpy())], (
+                step,
+                topk,
+            )
+    assert len(replies[64]._graphs) == 2  # batches 8 and 3, captured once each

@@ -182,7 +182,7 @@ _PROPOSE_REPLY_TIMINGS = (
 
 def propose_reply_head(server_id: str) -> bytes:
     """The constant start of the PROPOSE reply headers of the server
-    ``server_id`` (its id JSON-escaped once), for ``encode_propose_reply``."""
+    ``server_id`` (its id JSON-escaped once), for ``propose_reply_body``."""
     return b'{"ok":true,"protocol":%d,"op":"%s","server_id":%s,"tokens":' % (
         PROTOCOL_VERSION,
         OP_PROPOSE.encode(),
@@ -190,24 +190,28 @@ def propose_reply_head(server_id: str) -> bytes:
     )
 
 
-def encode_propose_reply(
+def propose_reply_body(
     head: bytes,
     tokens: list[list[int]],
-    timing_ms: Mapping[str, float],
     extensions: list[dict[str, Any]] | None = None,
 ) -> bytes:
-    """The header of a successful PROPOSE reply, formatted without a JSON
-    encoder (the server's hot path): ``head`` (the server's
-    ``propose_reply_head``), ``tokens``, ``timing_ms`` (every ``TIMING_FIELDS``
-    key; finite values, written to 0.1 us), ``latency_ms`` (its ``total``)
-    and, when given, the ``extensions`` entries. Decodes to
-    ``ok_reply(OP_PROPOSE, server_id=<id>, ...)`` of the same fields."""
-    parts = [head, str(tokens).replace(" ", "").encode()]
+    """A successful PROPOSE reply's header up to its timings, formatted
+    without a JSON encoder (the server's hot path): ``head`` (the server's
+    ``propose_reply_head``), ``tokens`` and, when given, the ``extensions``
+    entries. ``encode_propose_reply`` completes it."""
+    body = head + str(tokens).replace(" ", "").encode()
     if extensions is not None:
-        parts.append(b',"extensions":' + _ENCODER.encode(extensions).encode())
+        body += b',"extensions":' + _ENCODER.encode(extensions).encode()
+    return body
+
+
+def encode_propose_reply(body: bytes, timing_ms: Mapping[str, float]) -> bytes:
+    """The header of a successful PROPOSE reply: ``body``
+    (``propose_reply_body``), ``timing_ms`` (every ``TIMING_FIELDS`` key;
+    finite values, written to 0.1 us) and ``latency_ms`` (its ``total``).
+    Decodes to ``ok_reply(OP_PROPOSE, server_id=<id>, ...)`` of the fields."""
     values = [timing_ms[name] for name in TIMING_FIELDS]
-    parts.append(_PROPOSE_REPLY_TIMINGS % (*values, timing_ms["total"]))
-    return b"".join(parts)
+    return body + _PROPOSE_REPLY_TIMINGS % (*values, timing_ms["total"])
 
 
 # One PROPOSE request entry: request_id JSON-quoted, reset "true"/"false",
@@ -404,7 +408,17 @@ class ReplyExtension(abc.ABC):
         self, options: Any, context: ReplyContext
     ) -> tuple[dict[str, Any], list[memoryview]]:
         """The reply metadata (JSON-able, no ``capability``/``num_frames``
-        keys) and the frames (see ``tensor_frame``) for one PROPOSE."""
+        keys) and the frames (see ``tensor_frame``) for one PROPOSE. The
+        frames' bytes may still be written by device work this queued: the
+        server reads them only after ``wait_frames``."""
+
+    def wait_frames(self) -> None:
+        """Block until the frames of the last ``build_reply`` hold their
+        bytes. The server formats the rest of the reply between the two
+        calls (so queued device work overlaps it) and calls this under the
+        same lock, before the reply leaves; a failure here fails the PROPOSE
+        as one in ``build_reply`` does. By default nothing is queued."""
+        return None
 
 
 class CapabilityRegistry:

@@ -45,6 +45,7 @@ from vllm.k3_draft.protocol import (
     encode_propose_reply,
     error_reply,
     ok_reply,
+    propose_reply_body,
     propose_reply_head,
 )
 from vllm.k3_draft.validation import (
@@ -228,17 +229,14 @@ class DraftServer:
     def _finish_propose(
         self, reply: list[Any], start: float, decoded: float, locked: float
     ) -> None:
-        """Fill the PROPOSE reply's timings and encode its header."""
-        fields = reply[0]
-        timing = fields["timing_ms"]
+        """Fill the PROPOSE reply's timings and complete its header."""
+        body, timing = reply[0]
         timing["decode"] = (decoded - start) * 1e3
         timing["lock_wait"] = (locked - decoded) * 1e3
         total = (time.perf_counter() - start) * 1e3
         timing["total"] = total
         self.stats.observe_propose(total, timing)
-        reply[0] = encode_propose_reply(
-            self._propose_head, fields["tokens"], timing, fields.get("extensions")
-        )
+        reply[0] = encode_propose_reply(body, timing)
 
     # ----------------------------------------------------------------- ops
 
@@ -260,8 +258,7 @@ class DraftServer:
         try:
             output = self.engine.propose(batch)
             frames_out: list[Any] = []
-            # The header's fields; _finish_propose encodes them.
-            reply: dict[str, Any] = {"tokens": output.tokens.tolist()}
+            entries = None
             if parsed.extensions:
                 context = ReplyContext(
                     request_ids=tuple(e.request_id for e in parsed.entries),
@@ -281,14 +278,19 @@ class DraftServer:
                         }
                     )
                     frames_out.extend(ext_frames)
-                reply["extensions"] = entries
+            # Formatted while the extensions' device work runs.
+            body = propose_reply_body(
+                self._propose_head, output.tokens.tolist(), entries
+            )
+            for extension, _ in parsed.extensions:
+                extension.wait_frames()
         except Exception:
             self._drop([e.request_id for e in parsed.entries])
             raise
         self.stats.proposed_requests += len(parsed.entries)
         self.stats.context_rows += int(batch.positions.shape[0])
-        reply["timing_ms"] = dict(output.timings)
-        return [reply, *frames_out]
+        # _finish_propose completes the header with the timings.
+        return [(body, dict(output.timings)), *frames_out]
 
     def _apply_propose(self, parsed: ParsedPropose) -> ProposeBatch:
         slots, starts, ends = [], [], []

@@ -40,6 +40,9 @@ from vllm.k3_draft.plan import ProposeExtension, register_extension_factory
 
 logger = init_logger(__name__)
 
+# Staging views (one per reply byte count) a DraftLogitsReply keeps at most.
+_MAX_HOST_FRAMES = 64
+
 
 @dataclass(frozen=True)
 class _Request:
@@ -79,9 +82,10 @@ class TopkGraphs:
         return len(self._graphs)
 
     def write(self, logits: torch.Tensor, k: int, host: torch.Tensor) -> bool:
-        """Write ``topk_frame(logits, k)`` of CUDA ``logits`` into pinned
-        ``host`` (its exact size) and wait for it; False, with nothing
-        written, when no graph serves this call."""
+        """Queue on the current stream the write of ``topk_frame(logits, k)``
+        of CUDA ``logits`` into pinned ``host`` (its exact size); the caller
+        waits for the stream before reading ``host``. False, with nothing
+        queued, when no graph serves this call."""
         if not self.enabled:
             return False
         if host.data_ptr() != self._host_ptr:
@@ -110,7 +114,6 @@ class TopkGraphs:
                 return False
             self._graphs[key] = graph
         graph.replay()
-        torch.cuda.current_stream(logits.device).synchronize()
         return True
 
     def _capture(
@@ -148,9 +151,10 @@ class DraftLogitsReply(protocol.ReplyExtension):
     """Server half of one draft-logits capability (full vocabulary or top-k).
 
     Frames of a device (CUDA) engine are staged in pinned host memory owned
-    by the extension; the transport sends them before the next request runs.
-    Top-k frames of CUDA logits come from ``TopkGraphs`` where a graph
-    serves them.
+    by the extension, written by work queued on the logits' current stream
+    (``wait_frames`` waits for it); the transport sends them before the next
+    request runs. Top-k frames of CUDA logits come from ``TopkGraphs`` where
+    a graph serves them.
     """
 
     request_fields = REQUEST_FIELDS
@@ -160,7 +164,10 @@ class DraftLogitsReply(protocol.ReplyExtension):
         self.topk = topk
         self.capability = CAPABILITY_TOPK if topk else CAPABILITY_FULL
         self._staging = torch.empty(0, dtype=torch.uint8)
+        # nbytes -> (the staging's first nbytes, their frame).
+        self._host_frames: dict[int, tuple[torch.Tensor, memoryview]] = {}
         self._graphs = TopkGraphs()
+        self._pending: torch.cuda.Stream | None = None
 
     def is_offered(self, server_info: Mapping[str, Any], engine_logits: bool) -> bool:
         return engine_logits
@@ -186,24 +193,33 @@ class DraftLogitsReply(protocol.ReplyExtension):
         )
         fmt = options.fmt
         meta = reply_metadata(logits, fmt, positions)
-        if fmt.topk and logits.device.type == "cuda":
-            host = self._host(meta["nbytes"])
-            if self._graphs.write(logits, fmt.topk, host):
-                return meta, [protocol.tensor_frame(host)]
-        return meta, [protocol.tensor_frame(self._to_host(logits_frame(logits, fmt)))]
+        if logits.device.type == "cpu":
+            return meta, [protocol.tensor_frame(logits_frame(logits, fmt))]
+        host, frame = self._host_frame(meta["nbytes"])
+        if not (fmt.topk and self._graphs.write(logits, fmt.topk, host)):
+            host.copy_(logits_frame(logits, fmt), non_blocking=True)
+        self._pending = torch.cuda.current_stream(logits.device)
+        return meta, [frame]
 
-    def _host(self, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of the pinned staging buffer (grown to fit)."""
+    def wait_frames(self) -> None:
+        if self._pending is not None:
+            stream, self._pending = self._pending, None
+            stream.synchronize()
+
+    def _host_frame(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """The first ``nbytes`` of the pinned staging buffer (grown to fit)
+        and their frame."""
+        kept = self._host_frames.get(nbytes)
+        if kept is not None:
+            return kept
         if self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging[:nbytes]
-
-    def _to_host(self, frame: torch.Tensor) -> torch.Tensor:
-        if frame.device.type == "cpu":
-            return frame
-        host = self._host(frame.numel())
-        host.copy_(frame)
-        return host
+            self._host_frames.clear()
+        if len(self._host_frames) >= _MAX_HOST_FRAMES:
+            self._host_frames.clear()
+        host = self._staging[:nbytes]
+        kept = self._host_frames[nbytes] = (host, protocol.tensor_frame(host))
+        return kept
 
 
 def _remote_draft_logits(speculator: Any) -> ProposeExtension | None:
