@@ -139,6 +139,9 @@ class ProposeParser:
             allowed.update(extension.request_fields)
         self.allowed = frozenset(allowed)
         self.entry_fields = set(PROPOSE_REQUEST_FIELDS)
+        # The frames of a PROPOSE without context rows (empty, never written).
+        self._no_positions = torch.empty(0, dtype=torch.int64)
+        self._no_rows = torch.empty(0, context_width, dtype=torch.bfloat16)
 
     def parse(self, header: Mapping[str, Any], frames: Sequence[Any]) -> ParsedPropose:
         limits = self.limits
@@ -173,8 +176,7 @@ class ProposeParser:
             )
             self._check_positions(frames[0], entries)
         else:
-            positions = torch.empty(0, dtype=torch.int64)
-            rows = torch.empty(0, self.context_width, dtype=torch.bfloat16)
+            positions, rows = self._no_positions, self._no_rows
         active = []
         for extension in self.extensions:
             options = extension.parse_request(header, self.server_info)
