@@ -213,6 +213,8 @@ class DraftLogitsReply(protocol.ReplyExtension):
         if kept is not None:
             return kept
         if self._staging.numel() < nbytes:
+            # Work a failed PROPOSE left queued may still write the old buffer.
+            self.wait_frames()
             self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self._host_frames.clear()
         if len(self._host_frames) >= _MAX_HOST_FRAMES:
