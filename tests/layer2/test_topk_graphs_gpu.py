@@ -200,3 +200,22 @@ def test_frames_of_changing_batches_and_formats_are_the_eager_bytes() -> None:
                 topk,
             )
     assert len(replies[64]._graphs) == 2  # batches 8 and 3, captured once each
+
+
+def test_replies_of_more_sizes_than_the_staging_views_kept_stay_exact() -> None:
+    # 70 reply sizes at batch 1, the largest first (the buffer grows once):
+    # more than the staging views kept per size, which are then dropped and
+    # rebuilt.
+    reply = DraftLogitsReply(topk=True)
+    info = {"vocab_size": VOCAB, "max_model_len": 1 << 20}
+    logits = _logits(1, seed=8)
+    context = protocol.ReplyContext(
+        ("r0",), (100,), K, torch.zeros(1, K, dtype=torch.int64), logits
+    )
+    for k in (70, *range(1, 70)):
+        fmt = LogitsFormat(VOCAB, k)
+        _, frames = reply.build_reply(
+            reply.parse_request(fmt.request_fields(), info), context
+        )
+        reply.wait_frames()
+        assert [bytes(f) for f in frames] == [_eager(logits, k)], k
