@@ -29,6 +29,7 @@ pytestmark = [
 
 VOCAB = 163_840
 K = 3
+MAX_MODEL_LEN = 1 << 20
 
 
 def _logits(batch: int, seed: int) -> torch.Tensor:
@@ -138,27 +139,52 @@ def test_keys_beyond_the_bound_stay_eager_and_evict_nothing() -> None:
     assert bytes(host[: K * 6].numpy()) == _eager(logits, 1)
 
 
-def test_repeated_proposes_replay_one_graph_writing_the_eager_frames() -> None:
-    reply = DraftLogitsReply(topk=True)
-    fmt = LogitsFormat(VOCAB, 64)
-    options = reply.parse_request(
-        fmt.request_fields(), {"vocab_size": VOCAB, "max_model_len": 1 << 20}
-    )
-    logits = _logits(8, seed=5)
-    anchors = tuple(range(100, 108))
-    context = protocol.ReplyContext(
-        tuple(f"r{i}" for i in range(8)),
-        anchors,
+def _context(logits: torch.Tensor) -> protocol.ReplyContext:
+    """A PROPOSE's reply context for ``logits`` ``[R, K, V]`` (anchors 100..)."""
+    batch = logits.shape[0]
+    return protocol.ReplyContext(
+        tuple(f"r{i}" for i in range(batch)),
+        tuple(range(100, 100 + batch)),
         K,
-        torch.zeros(8, K, dtype=torch.int64),
+        torch.zeros(batch, K, dtype=torch.int64),
         logits,
     )
-    expected_meta, _ = encode_logits(logits, fmt, sample_positions(anchors, K, 1 << 20))
+
+
+def _reply(
+    reply: DraftLogitsReply, topk: int, context: protocol.ReplyContext
+) -> tuple[dict, list]:
+    """``reply``'s metadata and frames for ``topk`` (0: full vocabulary), once
+    ``wait_frames`` returned."""
+    fmt = LogitsFormat(VOCAB, topk)
+    options = reply.parse_request(
+        fmt.request_fields(), {"vocab_size": VOCAB, "max_model_len": MAX_MODEL_LEN}
+    )
+    meta, frames = reply.build_reply(options, context)
+    reply.wait_frames()
+    return meta, frames
+
+
+def _expected(logits: torch.Tensor, topk: int) -> tuple[dict, bytes]:
+    """The eager encoder's metadata and frame bytes of ``_context(logits)``."""
+    anchors = range(100, 100 + logits.shape[0])
+    meta, frame = encode_logits(
+        logits,
+        LogitsFormat(VOCAB, topk),
+        sample_positions(anchors, K, MAX_MODEL_LEN),
+    )
+    return meta, bytes(frame.cpu().numpy())
+
+
+def test_repeated_proposes_replay_one_graph_writing_the_eager_frames() -> None:
+    reply = DraftLogitsReply(topk=True)
+    logits = _logits(8, seed=5)
+    context = _context(logits)
+    expected_meta, _ = _expected(logits, 64)
     for seed in range(3):
         logits.copy_(_logits(8, seed=10 + seed))
         expected = _eager(logits, 64)
-        meta, frames = reply.build_reply(options, context)
-        reply.wait_frames()
+        meta, frames = _reply(reply, 64, context)
         assert meta == expected_meta
         assert [bytes(f) for f in frames] == [expected]
     # Captured at the second PROPOSE and replayed at the third: the staging
@@ -170,35 +196,17 @@ def test_frames_of_changing_batches_and_formats_are_the_eager_bytes() -> None:
     # One logits buffer viewed per batch size, as an engine with CUDA graphs
     # returns it: each reply's staged frame, once wait_frames returned, is
     # the eager encoder's, whether eager, captured or replayed.
-    info = {"vocab_size": VOCAB, "max_model_len": 1 << 20}
     replies = {0: DraftLogitsReply(topk=False), 64: DraftLogitsReply(topk=True)}
     buf = _logits(8, seed=7)
     for step, batch in enumerate((8, 3, 8, 3, 8, 1)):
         buf.copy_(_logits(8, seed=30 + step))
         logits = buf[:batch]
-        anchors = tuple(range(100, 100 + batch))
-        context = protocol.ReplyContext(
-            tuple(f"r{i}" for i in range(batch)),
-            anchors,
-            K,
-            torch.zeros(batch, K, dtype=torch.int64),
-            logits,
-        )
-        for topk in (0, 64):
-            reply = replies[topk]
-            fmt = LogitsFormat(VOCAB, topk)
-            meta, frames = reply.build_reply(
-                reply.parse_request(fmt.request_fields(), info), context
-            )
-            reply.wait_frames()
-            expected_meta, expected = encode_logits(
-                logits, fmt, sample_positions(anchors, K, 1 << 20)
-            )
+        context = _context(logits)
+        for topk, reply in replies.items():
+            meta, frames = _reply(reply, topk, context)
+            expected_meta, expected = _expected(logits, topk)
             assert meta == expected_meta, (step, topk)
-            assert [bytes(f) for f in frames] == [bytes(expected.cpu().numpy())], (
-                step,
-                topk,
-            )
+            assert [bytes(f) for f in frames] == [expected], (step, topk)
     assert len(replies[64]._graphs) == 2  # batches 8 and 3, captured once each
 
 
@@ -207,15 +215,8 @@ def test_replies_of_more_sizes_than_the_staging_views_kept_stay_exact() -> None:
     # more than the staging views kept per size, which are then dropped and
     # rebuilt.
     reply = DraftLogitsReply(topk=True)
-    info = {"vocab_size": VOCAB, "max_model_len": 1 << 20}
     logits = _logits(1, seed=8)
-    context = protocol.ReplyContext(
-        ("r0",), (100,), K, torch.zeros(1, K, dtype=torch.int64), logits
-    )
+    context = _context(logits)
     for k in (70, *range(1, 70)):
-        fmt = LogitsFormat(VOCAB, k)
-        _, frames = reply.build_reply(
-            reply.parse_request(fmt.request_fields(), info), context
-        )
-        reply.wait_frames()
+        _, frames = _reply(reply, k, context)
         assert [bytes(f) for f in frames] == [_eager(logits, k)], k
