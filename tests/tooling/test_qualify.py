@@ -95,6 +95,15 @@ def with_upstream_test(syn: Synthetic, tmp_path: Path, name: str, text: str) -> 
     return sdist
 
 
+def test_a_qualified_layer_leaves_no_build_output_behind(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    assert qualify_layer_3(filled, tmp_path, site0).ok
+    assert (tmp_path / "work" / "site-3").is_dir()
+    assert not (tmp_path / "work" / "dist-3").exists()
+
+
 def test_an_upstream_run_that_dies_fails_rather_than_reading_the_last_runs_xml(
     filled: Synthetic, tmp_path: Path
 ) -> None:
