@@ -27,6 +27,7 @@ and cores waking up after it) is not counted against the protocol.
 Usage::
 
     python bench/bench_remote_rpc.py --iters 2000 --out rpc.json [--device cuda]
+        [--server-busy-poll-us N]
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def start_server(
     log: Any,
     model: list[str] = SMALL_MODEL,
     max_k: int = K,
+    busy_poll_us: int = 0,
 ) -> subprocess.Popen:
     """A reference-engine draft server process, ready."""
     command = [
@@ -115,6 +117,7 @@ def start_server(
         *("--max-num-seqs", "8", "--max-requests", "16"),
         *("--max-speculative-tokens", str(max_k), "--max-context-tokens", "64"),
         *("--max-model-len", str(1 << 20)),
+        *("--busy-poll-us", str(busy_poll_us)),
     ]
     if args.enable_cuda_graph:
         command.append("--enable-cuda-graph")
@@ -238,6 +241,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--enable-cuda-graph", action="store_true")
+    parser.add_argument(
+        "--server-busy-poll-us",
+        type=int,
+        default=0,
+        help="the server's busy poll after each reply (microseconds)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -248,7 +257,9 @@ def main() -> None:
     raw_address = f"tcp://127.0.0.1:{free_port()}"
     echo = subprocess.Popen([sys.executable, __file__, "--raw-echo", raw_address])
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
-    proc = start_server(args, server_address, free_port(), log)
+    proc = start_server(
+        args, server_address, free_port(), log, busy_poll_us=args.server_busy_poll_us
+    )
     ctx = zmq.Context()
     sockets = []
     for address in (server_address, raw_address):
@@ -292,6 +303,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "device": args.device,
             "cuda_graph": args.enable_cuda_graph,
+            "server_busy_poll_us": args.server_busy_poll_us,
             "iters": args.iters,
         }
         with open(args.out, "w") as out:
