@@ -107,6 +107,13 @@ MALFORMED = {
     "float id": _reply(tokens=[[1, 2, 3], [4, 5.0, 6]]),
     "no timings": _reply(timing_ms=None),
     "timings lack a field": _reply(timing_ms={}),
+    "latency beyond a float": _reply(latency_ms=10**400),
+    "timing beyond a float": _reply(
+        timing_ms={**dict.fromkeys(protocol.TIMING_FIELDS, 0.0), "total": -(10**400)}
+    ),
+    "infinite latency": [
+        _reply()[0].replace(b'"latency_ms":0.1', b'"latency_ms":1e999')
+    ],
     "extra frame": [*_reply(), b"\x00" * 8],
 }
 

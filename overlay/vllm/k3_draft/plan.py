@@ -40,6 +40,7 @@ of a wire capability) by registering a factory with
 from __future__ import annotations
 
 import abc
+import math
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -268,7 +269,13 @@ def rows_frame(rows: torch.Tensor, spans: Sequence[tuple[int, int]]) -> np.ndarr
 
 
 def _number(value: Any) -> bool:
-    return type(value) in (int, float)
+    """A JSON number (not a bool) that is finite as a float."""
+    if type(value) not in (int, float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
 
 
 def parse_tokens(
