@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from k3stack import StackError
 
@@ -256,6 +256,11 @@ def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
         elif hunk is not None and line[:1] in (b" ", b"-", b"+"):
             hunk.lines.append((line[:1], line[1:]))
         elif hunk is not None and line.startswith(b"\\"):
+            if not hunk.lines:
+                raise StackError(
+                    f"{where}: diff line {number}: a '\\' line with no hunk line "
+                    "before it"
+                )
             op, text = hunk.lines[-1]
             hunk.lines[-1] = (op, text.rstrip(b"\n"))
         elif hunk is None and line.startswith((b"index ", b"--- ", b"+++ ")):
@@ -336,12 +341,19 @@ def _diff_path(names: bytes, where: str, number: int) -> str:
             "copies are not supported"
         )
     try:
-        return new[2:].decode()
+        path = new[2:].decode()
     except UnicodeDecodeError:
         raise StackError(
             f"{where}: diff line {number} names a file whose name is not UTF-8 "
             f"({shown}); refused"
         ) from None
+    plain = PurePosixPath(path)
+    if plain.as_posix() != path or plain.is_absolute() or ".." in plain.parts:
+        raise StackError(
+            f"{where}: diff line {number} names {path!r}, not a plain relative "
+            "path; refused"
+        )
+    return path
 
 
 def _counts(hunk: Hunk) -> tuple[int, int]:
@@ -370,8 +382,9 @@ def _check_counts(hunk: Hunk, file: FilePatch | None, where: str) -> None:
 class HunkMismatch(StackError):
     """A hunk whose context does not match the file at its exact position."""
 
-    def __init__(self, path: str, index: int, hunk: Hunk, reason: str):
-        super().__init__(f"{path} hunk {index} ({hunk.header}): {reason}")
+    def __init__(self, path: str, index: int, hunk: Hunk | None, reason: str):
+        where = f"{path} hunk {index} ({hunk.header})" if hunk else path
+        super().__init__(f"{where}: {reason}")
         self.path = path
         self.index = index
 
@@ -380,8 +393,9 @@ def apply_exact(source: bytes, patch: FilePatch) -> bytes:
     """Apply ``patch`` to ``source`` with no fuzz and no offset.
 
     Every hunk must match at exactly the line its header names, one without
-    trailing context must end at the end of the file, and the new positions
-    must follow from the old ones; anything else raises HunkMismatch.
+    trailing context must end at the end of the file, the new positions must
+    follow from the old ones, and a deletion must remove every line; anything
+    else raises HunkMismatch.
     """
     src = source.splitlines(keepends=True)
     out: list[bytes] = []
@@ -428,4 +442,8 @@ def apply_exact(source: bytes, patch: FilePatch) -> bytes:
         pos = cursor
         delta += hunk.new_len - hunk.old_len
     out.extend(src[pos:])
+    if patch.deleted and out:
+        raise HunkMismatch(
+            patch.path, 0, None, f"the deletion leaves {len(out)} of its lines"
+        )
     return b"".join(out)

@@ -249,10 +249,11 @@ def _join(*parts: str) -> str:
 def _land(tree: Path, layer: Layer, stack: Stack) -> None:
     for fp in layer.patch.files:
         target = tree / fp.path
+        patched = apply_exact(target.read_bytes(), fp)
         if fp.deleted:
             target.unlink()
         else:
-            target.write_bytes(apply_exact(target.read_bytes(), fp))
+            target.write_bytes(patched)
     for rel in layer.patch.overlay:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(stack.overlay_dir / rel, tree / rel)

@@ -196,6 +196,9 @@ def test_a_diff_header_names_the_file_git_quoted_or_spaced(
         (b'"a/vllm/x\\303.py" "b/vllm/x\\303.py"', "is not UTF-8"),
         (b'"a/vllm/x.py "b/vllm/x.py"', "malformed file names"),
         (b"a/vllm/x.py b/vllm/y.py", "names two files"),
+        (b"a/vllm/../../x.py b/vllm/../../x.py", "not a plain relative path"),
+        (b"a/vllm/./x.py b/vllm/./x.py", "not a plain relative path"),
+        (b"a//etc/x.py b//etc/x.py", "not a plain relative path"),
     ],
 )
 def test_a_diff_header_with_odd_file_names_is_refused_in_one_line(
@@ -206,6 +209,36 @@ def test_a_diff_header_with_odd_file_names_is_refused_in_one_line(
         StackError, match=f"0001-layer-1.patch: diff line 1 .*{message}"
     ):
         parse_diff(diff, "0001-layer-1.patch")
+
+
+def test_a_no_newline_marker_without_a_line_before_it_is_refused_in_one_line() -> None:
+    diff = (
+        b"diff --git a/vllm/x.py b/vllm/x.py\n"
+        b"@@ -1 +1 @@\n\\ No newline at end of file\n-a\n+b\n"
+    )
+    with pytest.raises(
+        StackError, match="0001-layer-1.patch: diff line 3: a '.' line with no hunk"
+    ):
+        parse_diff(diff, "0001-layer-1.patch")
+
+
+def test_a_deletion_that_leaves_lines_of_the_file_does_not_apply() -> None:
+    diff = (
+        b"diff --git a/vllm/x.py b/vllm/x.py\ndeleted file mode 100644\n"
+        b"--- a/vllm/x.py\n+++ /dev/null\n@@ -2 +1,0 @@\n-b\n"
+    )
+    (fp,) = parse_diff(diff, "0001-layer-1.patch")
+    with pytest.raises(StackError, match="vllm/x.py: the deletion leaves 1 of its"):
+        apply_exact(b"a\nb\n", fp)
+
+
+def test_a_deletion_of_every_line_applies() -> None:
+    diff = (
+        b"diff --git a/vllm/x.py b/vllm/x.py\ndeleted file mode 100644\n"
+        b"--- a/vllm/x.py\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-a\n-b\n"
+    )
+    (fp,) = parse_diff(diff, "0001-layer-1.patch")
+    assert apply_exact(b"a\nb\n", fp) == b""
 
 
 def test_a_series_entry_listed_twice_is_refused(synthetic: Synthetic) -> None:
