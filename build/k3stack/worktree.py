@@ -46,12 +46,24 @@ def read_marker(tree: Path) -> dict:
         isinstance(marker, dict)
         and isinstance(marker.get("head"), str)
         and isinstance(marker.get("layers"), int)
+        and _digests_ok(marker.get("digests"), marker["layers"])
     ):
         raise StackError(
             f"{path} is empty or corrupt; refused: {tree} may hold work, move it "
             "aside and run `nox -s apply`"
         )
     return marker
+
+
+def _digests_ok(digests: object, layers: int) -> bool:
+    """None or empty (not recorded), or one digest (or None) per layer."""
+    if digests is None or digests == []:
+        return True
+    return (
+        isinstance(digests, list)
+        and len(digests) == layers
+        and all(d is None or isinstance(d, str) for d in digests)
+    )
 
 
 def write_marker(tree: Path, layers: int, digests: Sequence[str | None]) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -594,6 +595,17 @@ def test_apply_refuses_a_tree_with_an_empty_marker_and_keeps_it(
     with pytest.raises(StackError, match="k3stack-applied.json is empty or corrupt"):
         filled.apply()
     assert git(filled.tree, "rev-parse", "HEAD") == head
+
+
+def test_refresh_refuses_a_marker_with_a_digest_short_in_one_line(
+    filled: Synthetic,
+) -> None:
+    marker = filled.tree / ".git/k3stack-applied.json"
+    fields = json.loads(marker.read_text())
+    fields["digests"] = fields["digests"][:1]
+    marker.write_text(json.dumps(fields))
+    with pytest.raises(StackError, match="k3stack-applied.json is empty or corrupt"):
+        refresh(filled.stack(), filled.tree)
 
 
 def test_an_interrupted_marker_write_leaves_the_previous_marker_whole(
