@@ -166,6 +166,14 @@ class _LargeHeaderServer(_AtOnceServer):
     max_header_bytes = 4 << 20
 
 
+class _NarrowRowsServer(_AtOnceServer):
+    """What the transport sees of a draft server whose context rows are
+    narrower than their int64 positions."""
+
+    limits = SimpleNamespace(max_context_tokens=1 << 18)
+    engine = SimpleNamespace(spec=SimpleNamespace(context_width=1))
+
+
 @contextlib.contextmanager
 def _served(
     transport: RpcTransport,
@@ -198,6 +206,14 @@ def test_a_header_within_the_servers_header_limit_reaches_the_server(tmp_path):
     transport = RpcTransport(_LargeHeaderServer(), address, None)
     with _served(transport) as (client, _, _):
         client.send(b" " * (2 << 20))
+        assert client.recv() == b'{"ok": true}'
+
+
+def test_a_positions_frame_at_full_staging_reaches_the_server(tmp_path):
+    address = f"ipc://{tmp_path}/draft.ipc"
+    transport = RpcTransport(_NarrowRowsServer(), address, None)
+    with _served(transport) as (client, _, _):
+        client.send_multipart([b"{}", bytes(8 << 18), bytes(2 << 18)])
         assert client.recv() == b'{"ok": true}'
 
 

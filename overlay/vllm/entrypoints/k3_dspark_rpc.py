@@ -113,12 +113,15 @@ class RpcTransport:
         self._ipc_dir: str | None = None
 
     def max_frame_bytes(self) -> int:
-        """Largest message part accepted (ZMQ_MAXMSGSIZE): the context-row frame
-        at full staging, or the header limit, plus slack; larger parts would
-        be refused anyway, so ZeroMQ drops them before they are buffered."""
+        """Largest message part accepted (ZMQ_MAXMSGSIZE): the context-row or
+        positions frame at full staging, or the header limit, plus slack;
+        larger parts would be refused anyway, so ZeroMQ drops them before
+        they are buffered."""
         limits, spec = self.server.limits, self.server.engine.spec
         rows = limits.max_context_tokens * spec.context_width * 2
-        return max(rows, self.server.max_header_bytes) + _FRAME_SLACK_BYTES
+        positions = limits.max_context_tokens * 8
+        largest = max(rows, positions, self.server.max_header_bytes)
+        return largest + _FRAME_SLACK_BYTES
 
     def bind(self) -> None:
         claim_ipc_path(self.address)
