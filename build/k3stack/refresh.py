@@ -12,7 +12,13 @@ from pathlib import Path
 
 from k3stack import StackError
 from k3stack.gitutil import changes, dirty_paths, git, git_bytes, is_work_tree
-from k3stack.patchfile import LayerPatch, parse_commit_message, parse_diff
+from k3stack.patchfile import (
+    HunkMismatch,
+    LayerPatch,
+    apply_exact,
+    parse_commit_message,
+    parse_diff,
+)
 from k3stack.series import Layer, Stack, load_stack
 from k3stack.worktree import (
     UPSTREAM_TAG,
@@ -142,6 +148,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     upstream = _tree_files(tree, UPSTREAM_TAG)
     applied_digests = marker.get("digests") or [None] * applied
     pending = []
+    synced: set[int] = set()
     lower_overlay: set[str] = set()
     for layer, commit, applied_digest in zip(
         layers, commits, applied_digests, strict=True
@@ -164,8 +171,14 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
                 "means editing patches/series and the patch names)"
             )
         lower_overlay |= set(owned)
-        if layer_digest(patch, owned) != applied_digest:
-            pending.append((layer, patch, owned, applied_digest))
+        digest = layer_digest(patch, owned)
+        if digest == applied_digest:
+            continue
+        if digest == disk_digest(stack, layer):
+            # Already written back (a refresh that failed before its marker).
+            synced.add(layer.number)
+            continue
+        pending.append((layer, patch, owned, applied_digest))
     if is_work_tree(stack.root):
         targets = {f"patches/{layer.name}" for layer, *_ in pending}
         for layer, _, owned, _ in pending:
@@ -190,7 +203,9 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         for part in ("patches", "overlay"):
             shutil.copytree(stack.root / part, Path(scratch) / part)
         _write_back(load_stack(Path(scratch)), pending, today)
-        load_stack(Path(scratch))
+        refreshed = load_stack(Path(scratch))
+        if pending:
+            _refuse_unappliable_upper_layers(tree, refreshed.layers[applied:])
     changed = _write_back(stack, pending, today)
     for number, commit in enumerate(commits, start=1):
         git(tree, "tag", "-f", layer_tag(number), commit)
@@ -198,7 +213,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     # are in the tree; the others keep the digest they were applied with (a
     # change on disk since then is not in the tree, and a later refresh must
     # not write the tree's older form back over it).
-    written = {layer.number for layer, *_ in pending}
+    written = {layer.number for layer, *_ in pending} | synced
     on_disk = digests_of(load_stack(stack.root), applied)
     write_marker(
         tree,
@@ -209,6 +224,36 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         ],
     )
     return changed
+
+
+def _refuse_unappliable_upper_layers(tree: Path, upper: list[Layer]) -> None:
+    """``StackError`` unless the layers above the applied ones still apply
+    exactly, in order, on the tree: a change to a layer below may move the
+    lines they change, and refresh cannot write them again."""
+    files: dict[str, bytes | None] = {}
+    for layer in upper:
+        where = f"layer {layer.number} ({layer.name})"
+        for fp in layer.patch.files:
+            if fp.path not in files:
+                # The work tree is HEAD: refresh refused uncommitted edits.
+                target = tree / fp.path
+                files[fp.path] = target.read_bytes() if target.is_file() else None
+            source = files[fp.path]
+            if source is None:
+                raise StackError(
+                    f"{where} would no longer apply on the refreshed layers below "
+                    f"it: {fp.path} does not exist; refused: apply every layer "
+                    "(`nox -s apply`) and make the change there"
+                )
+            try:
+                patched = apply_exact(source, fp)
+            except HunkMismatch as e:
+                raise StackError(
+                    f"{where} would no longer apply on the refreshed layers below "
+                    f"it: {e}; refused: apply every layer (`nox -s apply`) and make "
+                    "the change there"
+                ) from e
+            files[fp.path] = None if fp.deleted else patched
 
 
 def _refuse_rewritten_pristine(tree: Path) -> None:

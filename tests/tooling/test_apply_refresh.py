@@ -597,6 +597,37 @@ def test_apply_refuses_a_tree_with_an_empty_marker_and_keeps_it(
     assert git(filled.tree, "rev-parse", "HEAD") == head
 
 
+def test_refresh_completes_after_a_refresh_that_failed_before_its_marker(
+    filled: Synthetic,
+) -> None:
+    envs = (filled.tree / "vllm/envs.py").read_text().replace("= 7\n", "= 77\n")
+    filled.amend(1, {"vllm/envs.py": envs})
+    lock = filled.tree / ".git/refs/tags/layer-3.lock"  # a stale ref lock
+    lock.write_text("")
+    with pytest.raises(StackError, match="git tag -f layer-3 failed"):
+        refresh(filled.stack(), filled.tree)
+    lock.unlink()
+    git(filled.root, "commit", "-qam", "what the failed refresh wrote")
+    assert refresh(filled.stack(), filled.tree) == []
+    filled.apply()
+    assert (filled.tree / "vllm/envs.py").read_text() == envs
+
+
+def test_refresh_refuses_a_change_below_that_a_layer_not_applied_no_longer_fits(
+    filled: Synthetic,
+) -> None:
+    filled.apply(upto=1)
+    model = "# a new first line\n" + (filled.tree / "vllm/model.py").read_text()
+    filled.amend(1, {"vllm/model.py": model})
+    with pytest.raises(
+        StackError,
+        match=r"layer 2 \(0002-layer-2.patch\) would no longer apply on the "
+        r"refreshed layers below it: vllm/model.py hunk 1 ",
+    ):
+        refresh(filled.stack(), filled.tree)
+    assert git(filled.root, "status", "--porcelain") == ""
+
+
 def test_refresh_refuses_a_marker_with_a_digest_short_in_one_line(
     filled: Synthetic,
 ) -> None:
