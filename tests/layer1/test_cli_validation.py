@@ -293,6 +293,17 @@ def test_authorized_client_key_that_is_not_z85_is_refused_in_one_line(
     )
 
 
+@pytest.mark.parametrize("key_file", ["server", "client"])
+def test_a_key_line_without_an_equals_sign_is_refused_in_one_line(
+    tmp_path, capsys, key_file
+):
+    """pyzmq's reader raises IndexError on it."""
+    flags = _curve_flags(tmp_path)
+    path = Path(flags[1]) if key_file == "server" else tmp_path / "clients/client.key"
+    path.write_text(re.sub(r'public-key = ".*"', "public-key", path.read_text()))
+    assert "a public-key or secret-key line has no '='" in refused(flags, capsys)
+
+
 def test_authorized_keys_directory_without_certificates_is_refused(tmp_path, capsys):
     flags = _curve_flags(tmp_path)
     (tmp_path / "clients" / "client.key").unlink()
@@ -381,6 +392,25 @@ def test_memory_limit_above_the_free_memory_does_not_pass_a_plan_that_cannot_fit
     assert needed > available_memory(engine.device)
     with pytest.raises(MemoryError, match="available on cpu"):
         check_memory_plan(engine, 2 * needed / GiB)
+
+
+def test_a_memory_limit_beyond_a_float_of_bytes_is_no_cap():
+    args = parse_args(BASE + ["--memory-limit-gib", "1e300"])
+    check_memory_plan(ReferenceEngine(args.limits, args.reference, args.device), 1e300)
+
+
+def test_a_status_host_the_resolver_cannot_encode_is_refused_in_one_line(caplog):
+    args = parse_args(
+        BASE
+        + ["--status-port", str(free_tcp_port()), "--address", "inproc://never"]
+        + ["--status-host", "host..example"]
+    )
+    with caplog.at_level(logging.ERROR):
+        assert run(args, threading.Event()) == 1
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage().startswith(
+        "Refusing to serve: cannot serve status on host..example port "
+    )
 
 
 def test_server_that_cannot_fit_exits_before_serving(caplog):

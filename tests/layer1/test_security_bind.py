@@ -36,7 +36,13 @@ def test_local_addresses_bind_without_keys(address):
 
 
 @pytest.mark.parametrize(
-    "address", ["tcp://10.1.2.3:5555", "tcp://eth0:5555", "tcp://draft.example:5555"]
+    "address",
+    [
+        "tcp://10.1.2.3:5555",
+        "tcp://eth0:5555",
+        "tcp://draft.example:5555",
+        "tcp://\udcff:5555",  # a byte of argv that is not UTF-8
+    ],
 )
 def test_non_loopback_bind_without_keys_is_refused(address):
     with pytest.raises(BindRefused, match="non-loopback"):

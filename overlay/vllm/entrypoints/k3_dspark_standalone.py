@@ -422,7 +422,7 @@ def check_memory_plan(engine: DraftEngine, limit_gib: float | None) -> None:
     plan = engine.memory_plan()
     limit = available_memory(engine.device)
     if limit_gib is not None:
-        limit = min(limit, int(limit_gib * GiB))
+        limit = min(limit, limit_gib * GiB)  # a float: 1e300 GiB is no cap
     logger.info("Draft memory plan: %s", plan.describe())
     if plan.total > limit:
         raise MemoryError(
@@ -494,7 +494,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
     state = StatusState()
     try:
         status = StatusServer(state, args.status_host, args.status_port)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a host IDNA refuses
         logger.error(
             "Refusing to serve: cannot serve status on %s port %d: %s",
             args.status_host,

@@ -45,13 +45,22 @@ from vllm.k3_draft.log import init_logger
 logger = init_logger(__name__)
 
 
+def _read_certificate(path: str) -> tuple[bytes, bytes | None]:
+    """``zmq.auth.load_certificate``, with a key line lacking ``=`` (on
+    which it raises IndexError) a ``ValueError``."""
+    try:
+        return zmq.auth.load_certificate(path)
+    except IndexError:
+        raise ValueError("a public-key or secret-key line has no '='") from None
+
+
 def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
     """(public, secret) keys of a ZeroMQ certificate file; ``ValueError``
     naming ``what`` or the file when it cannot be read, when a key in it is
     malformed, when ``secret`` is required and the file holds only a public
     key, or when its secret key is not its public key's."""
     try:
-        public_key, secret_key = zmq.auth.load_certificate(path)
+        public_key, secret_key = _read_certificate(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load {what} {path}: {exc}") from exc
     check_z85_key(public_key, path, "public key")
@@ -110,7 +119,7 @@ class CurveConfig:
             raise ValueError(f"no client certificate (*.key) in {folder}")
         for path in files:
             try:
-                public_key, _ = zmq.auth.load_certificate(path)
+                public_key, _ = _read_certificate(path)
             except (OSError, ValueError) as exc:
                 raise ValueError(
                     f"cannot load the authorized keys in {folder}: {exc}"
@@ -276,7 +285,7 @@ def _numeric_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | 
         pass
     try:
         return ipaddress.IPv4Address(_socket.inet_aton(host))
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: bytes argv could not decode
         return None
 
 
