@@ -91,14 +91,18 @@ def cmd_site(args: argparse.Namespace) -> None:
 
 def check_site_dest(dest: Path) -> None:
     """Refuse a ``--dest`` that ``site`` would replace but did not make: a
-    file, or a non-empty folder without a stack install's dist-info."""
+    file, or a non-empty folder without the stamp every site it makes
+    carries (a site-packages the patched wheel was pip-installed into holds
+    other packages)."""
+    from k3stack.qualify import WHEEL_STAMP
+
     if not dest.exists():
         return
     if not dest.is_dir():
         raise StackError(f"site: {dest} exists and is not a directory; refused")
-    if any(dest.iterdir()) and not any(dest.glob("*+stack.*.dist-info")):
+    if any(dest.iterdir()) and not (dest / WHEEL_STAMP).is_file():
         raise StackError(
-            f"site: {dest} is not empty and holds no stack install; refused: "
+            f"site: {dest} is not empty and was not made by `site`; refused: "
             "choose another --dest or remove it"
         )
 

@@ -188,6 +188,11 @@ def completed(code: int, junit: Path) -> bool:
     return code in COMPLETED and junit.is_file()
 
 
+# Names the wheel unpacked in the pristine install; every site copied from
+# it carries it too, which is how `site` knows a folder it made.
+WHEEL_STAMP = ".k3stack-wheel"
+
+
 def install_site(python: str, pristine: Path, payload: Path, site: Path) -> None:
     """A copy of the pristine install (hard links) with the payload installed."""
     if site.exists():
@@ -211,7 +216,7 @@ def install_site(python: str, pristine: Path, payload: Path, site: Path) -> None
 
 def pristine_site(python: str, wheel: Path, work: Path) -> Path:
     site = work / "site-0"
-    stamp = site / ".k3stack-wheel"
+    stamp = site / WHEEL_STAMP
     key = f"{wheel.name} {wheel.stat().st_size}"
     if stamp.is_file() and stamp.read_text() == key:
         return site
@@ -338,7 +343,7 @@ def baseline(
         return Outcomes()
     digest = hashlib.sha256(interpreter_key(python))
     digest.update(json.dumps([pytest_args(Path("-")), TEST_ENV]).encode())
-    digest.update((site0 / ".k3stack-wheel").read_bytes())
+    digest.update((site0 / WHEEL_STAMP).read_bytes())
     digest.update(git_bytes(tree, "rev-parse", f"{UPSTREAM_TAG}:tests"))
     digest.update("\0".join(sorted(tests)).encode())
     digest.update(b"\1" + "\0".join(sorted(settled)).encode())

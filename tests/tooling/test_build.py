@@ -380,11 +380,23 @@ def test_site_refuses_a_dest_holding_something_else(tmp_path: Path) -> None:
     dest.mkdir()
     check_site_dest(dest)  # empty: site may fill it
     (dest / "notes.txt").write_text("mine\n")
-    with pytest.raises(StackError, match="holds no stack install"):
+    with pytest.raises(StackError, match="was not made by `site`"):
         check_site_dest(dest)
-    (dest / "vllm-1.0+stack.0123456789ab.dist-info").mkdir()
+    (dest / ".k3stack-wheel").write_text("vllm-1.0.whl 1234")
     check_site_dest(dest)  # a site an earlier `site` made: replaced
     assert (dest / "notes.txt").read_text() == "mine\n"
+
+
+def test_site_refuses_a_site_packages_the_stack_wheel_was_installed_into(
+    tmp_path: Path,
+) -> None:
+    from k3stack.cli import check_site_dest
+
+    dest = tmp_path / "site-packages"
+    (dest / "numpy").mkdir(parents=True)
+    (dest / "vllm-1.0+stack.0123456789ab.dist-info").mkdir()
+    with pytest.raises(StackError, match="was not made by `site`"):
+        check_site_dest(dest)
 
 
 def test_the_build_ships_a_new_file_with_a_non_ascii_name(
