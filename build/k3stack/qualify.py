@@ -122,7 +122,12 @@ def read_junit(path: Path) -> Outcomes:
         return outcomes
     for case in ET.parse(path).getroot().iter("testcase"):
         test_id = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        # A nameless case is what pytest.exit() inside a test leaves.
+        if (
+            case.find("failure") is not None
+            or case.find("error") is not None
+            or case.get("name") is None
+        ):
             state = "failed"
         elif case.find("skipped") is not None:
             state = "skipped"
@@ -277,16 +282,22 @@ def overlay_modules(layers: list[Layer]) -> list[str]:
     return modules
 
 
+IMPORTS_DONE = "k3stack: every module was tried"
+
+
 def check_imports(python: str, site: Path, modules: list[str]) -> list[str]:
+    """The modules that fail to import, one line each; the check itself
+    failing (a module that exits the interpreter too) is one more line."""
     script = (
         "import importlib, sys\n"
         "bad = []\n"
         "for m in sys.argv[1:]:\n"
         "    try:\n"
         "        importlib.import_module(m)\n"
-        "    except Exception as e:\n"
+        "    except BaseException as e:\n"
         "        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
         "print('\\n'.join(bad))\n"
+        f"print({IMPORTS_DONE!r})\n"
     )
     env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(site)}
     proc = subprocess.run(
@@ -295,9 +306,10 @@ def check_imports(python: str, site: Path, modules: list[str]) -> list[str]:
         text=True,
         env=env,
     )
-    if proc.returncode != 0:
-        return [failure(proc, "the import check")]
-    return [line for line in proc.stdout.splitlines() if line]
+    lines = [line for line in proc.stdout.splitlines() if line]
+    if proc.returncode != 0 or not lines or lines[-1] != IMPORTS_DONE:
+        return [*lines, failure(proc, "the import check")]
+    return lines[:-1]
 
 
 def failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
@@ -338,11 +350,14 @@ def baseline(
 ) -> Outcomes:
     """Outcomes of ``tests`` on pristine upstream, less the ``settled`` test
     ids, cached by their inputs: the interpreter and its packages, the
-    pristine install, the tests, the settled ids and how pytest runs them."""
+    pristine install, the tests, the settled ids, how pytest runs them and
+    the environment."""
     if not tests:
         return Outcomes()
     digest = hashlib.sha256(interpreter_key(python))
-    digest.update(json.dumps([pytest_args(Path("-")), TEST_ENV]).encode())
+    # The environment the run inherits decides outcomes too.
+    environment = sorted((k, v) for k, v in os.environ.items() if k != "PYTHONPATH")
+    digest.update(json.dumps([pytest_args(Path("-")), TEST_ENV, environment]).encode())
     digest.update((site0 / WHEEL_STAMP).read_bytes())
     digest.update(git_bytes(tree, "rev-parse", f"{UPSTREAM_TAG}:tests"))
     digest.update("\0".join(sorted(tests)).encode())
@@ -407,13 +422,14 @@ def judge_upstream(row: Row, base: Outcomes) -> None:
     regressions = sorted(
         t
         for t in {*now.results, *pristine}
-        if now.results.get(t) != "passed" and pristine.get(t, "passed") == "passed"
+        if _regressed(now.results.get(t), pristine.get(t, "passed"))
     )
     known = sum(
         1
         for t, s in now.results.items()
-        if s != "passed" and pristine.get(t, "passed") != "passed"
+        if s != "passed" and not _regressed(s, pristine.get(t, "passed"))
     )
+    empty = [f for f in run.files if not any(of_files(t, [f]) for t in now.results)]
     row.upstream = (
         f"{now.count('passed')} passed, {len(regressions)} regressions, "
         f"{known} not passing on pristine either"
@@ -424,7 +440,18 @@ def judge_upstream(row: Row, base: Outcomes) -> None:
         f"regression: {t}" + ("" if t in now.results else " (did not run)")
         for t in regressions
     ]
-    row.ok = row.ok and not regressions and bool(now.results)
+    row.notes += [f"{f}: no test ran (none collected or all deselected)" for f in empty]
+    row.ok = row.ok and not regressions and not empty and bool(now.results)
+
+
+def _regressed(now: str | None, pristine: str) -> bool:
+    """Whether a test's outcome on the stack (None: it did not run) is a
+    regression from its outcome on pristine ("passed" for a test pristine
+    does not have): not passing where pristine passed, or failing where
+    pristine skipped it (a skip shows no failure)."""
+    if now == "passed":
+        return False
+    return pristine == "passed" or (pristine == "skipped" and now == "failed")
 
 
 def judge_against_pristine(

@@ -104,6 +104,60 @@ def test_a_qualified_layer_leaves_no_build_output_behind(
     assert not (tmp_path / "work" / "dist-3").exists()
 
 
+def test_a_test_skipped_on_pristine_that_fails_on_the_stack_is_a_regression(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    text = (
+        "import pytest\nimport vllm.model as m\n\n\n"
+        "@pytest.mark.skipif(not hasattr(m, 'step_99'), reason='no step_99')\n"
+        "def test_step_99():\n    assert m.step_99() == 99\n"
+    )
+    sdist = with_upstream_test(filled, tmp_path, "tests/test_feature.py", text)
+    site0 = prepare(filled, tmp_path, sdist)
+    model = UPSTREAM_FILES["vllm/model.py"] + "def step_99():\n    return 0\n"
+    change_layer_3(filled, {"vllm/model.py": model})
+    filled.apply(sdist=sdist)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert "regression: tests.test_feature::test_step_99" in row.notes
+
+
+def test_an_upstream_test_file_that_runs_no_test_fails_its_row(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    text = "import pytest\n\n\n@pytest.mark.gpu\ndef test_kernel():\n    assert False\n"
+    sdist = with_upstream_test(filled, tmp_path, "tests/test_gpu_only.py", text)
+    site0 = prepare(filled, tmp_path, sdist)
+    filled.apply(sdist=sdist)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    assert (
+        "tests/test_gpu_only.py: no test ran (none collected or all deselected)"
+        in row.notes
+    )
+
+
+def test_a_cached_baseline_is_not_reused_in_another_environment(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (
+        "import os\nfrom vllm.model import step_2\n\n\n"
+        "def test_env():\n    assert 'K3_BREAK' not in os.environ\n"
+        "    assert step_2() == 2\n"
+    )
+    sdist = with_upstream_test(filled, tmp_path, "tests/test_env.py", text)
+    site0 = prepare(filled, tmp_path, sdist)
+    monkeypatch.setenv("K3_BREAK", "1")  # fails on pristine too: cached so
+    filled.apply(sdist=sdist)
+    assert qualify_layer_3(filled, tmp_path, site0).ok
+    monkeypatch.delenv("K3_BREAK")
+    model = UPSTREAM_FILES["vllm/model.py"].replace("return 2\n", "return -2\n", 1)
+    change_layer_3(filled, {"vllm/model.py": model})
+    filled.apply(sdist=sdist)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert "regression: tests.test_env::test_env" in row.notes
+
+
 def test_an_upstream_run_that_dies_fails_rather_than_reading_the_last_runs_xml(
     filled: Synthetic, tmp_path: Path
 ) -> None:
@@ -235,6 +289,34 @@ def test_an_import_that_kills_the_interpreter_is_reported_as_such(
     ]
 
 
+def test_an_import_that_exits_the_interpreter_does_not_end_the_check(
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    for module in ("__init__", "envs"):
+        (site / "vllm" / f"{module}.py").write_text("")
+    (site / "vllm/cli.py").write_text("import sys\nsys.exit(0)\n")
+    (site / "vllm/broken.py").write_text("raise RuntimeError('broken')\n")
+    assert check_imports(PYTHON, site, ["vllm.cli", "vllm.broken"]) == [
+        "vllm.cli: SystemExit: 0",
+        "vllm.broken: RuntimeError: broken",
+    ]
+
+
+def test_an_import_that_ends_the_process_with_status_0_is_reported(
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    for module in ("__init__", "envs"):
+        (site / "vllm" / f"{module}.py").write_text("")
+    (site / "vllm/quits.py").write_text("import os\nos._exit(0)\n")
+    assert check_imports(PYTHON, site, ["vllm.quits"]) == [
+        "the import check ended with exit code 0 and no message"
+    ]
+
+
 def test_a_skipped_test_of_our_own_suites_fails_its_row() -> None:
     row = Row("3")
     outcomes = Outcomes({"t.a::one": "passed", "t.b::two": "skipped"})
@@ -297,6 +379,16 @@ def test_a_failed_test_is_counted_in_its_row() -> None:
     row = Row("3")
     judge_suite(row, 1, Outcomes({"t.a::one": "passed", "t.a::two": "failed"}))
     assert (row.ok, row.passed, row.failed) == (False, 1, 1)
+
+
+def test_a_nameless_test_case_reads_as_failed(tmp_path: Path) -> None:
+    """What pytest.exit() inside a test leaves in the JUnit XML."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest"><testcase time="0.000" />'
+        "</testsuite></testsuites>"
+    )
+    assert read_junit(junit).results == {"None::None": "failed"}
 
 
 def test_a_test_that_errored_reads_as_failed(tmp_path: Path) -> None:
