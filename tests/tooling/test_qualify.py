@@ -276,14 +276,20 @@ def test_a_pristine_run_that_dies_is_refused_and_not_cached(
     assert not list(work.glob("baseline-*.json"))
 
 
+def site_with(tmp_path: Path, modules: dict[str, str]) -> Path:
+    """A site holding an empty ``vllm`` and ``vllm.envs`` and ``modules``
+    (name under ``vllm/`` -> source)."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    for name, source in {"__init__": "", "envs": "", **modules}.items():
+        (site / "vllm" / f"{name}.py").write_text(source)
+    return site
+
+
 def test_an_import_that_kills_the_interpreter_is_reported_as_such(
     tmp_path: Path,
 ) -> None:
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    for module in ("__init__", "envs"):
-        (site / "vllm" / f"{module}.py").write_text("")
-    (site / "vllm/crash.py").write_text("import os\nos.abort()\n")
+    site = site_with(tmp_path, {"crash": "import os\nos.abort()\n"})
     assert check_imports(PYTHON, site, ["vllm.crash"]) == [
         "the import check ended with exit code -6 and no message"
     ]
@@ -292,12 +298,13 @@ def test_an_import_that_kills_the_interpreter_is_reported_as_such(
 def test_an_import_that_exits_the_interpreter_does_not_end_the_check(
     tmp_path: Path,
 ) -> None:
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    for module in ("__init__", "envs"):
-        (site / "vllm" / f"{module}.py").write_text("")
-    (site / "vllm/cli.py").write_text("import sys\nsys.exit(0)\n")
-    (site / "vllm/broken.py").write_text("raise RuntimeError('broken')\n")
+    site = site_with(
+        tmp_path,
+        {
+            "cli": "import sys\nsys.exit(0)\n",
+            "broken": "raise RuntimeError('broken')\n",
+        },
+    )
     assert check_imports(PYTHON, site, ["vllm.cli", "vllm.broken"]) == [
         "vllm.cli: SystemExit: 0",
         "vllm.broken: RuntimeError: broken",
@@ -307,11 +314,7 @@ def test_an_import_that_exits_the_interpreter_does_not_end_the_check(
 def test_an_import_that_ends_the_process_with_status_0_is_reported(
     tmp_path: Path,
 ) -> None:
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    for module in ("__init__", "envs"):
-        (site / "vllm" / f"{module}.py").write_text("")
-    (site / "vllm/quits.py").write_text("import os\nos._exit(0)\n")
+    site = site_with(tmp_path, {"quits": "import os\nos._exit(0)\n"})
     assert check_imports(PYTHON, site, ["vllm.quits"]) == [
         "the import check ended with exit code 0 and no message"
     ]
