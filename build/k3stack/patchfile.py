@@ -383,7 +383,7 @@ class HunkMismatch(StackError):
     """A hunk whose context does not match the file at its exact position."""
 
     def __init__(self, path: str, index: int, hunk: Hunk | None, reason: str):
-        where = f"{path} hunk {index} ({hunk.header})" if hunk else path
+        where = path if hunk is None else f"{path} hunk {index} ({hunk.header})"
         super().__init__(f"{where}: {reason}")
         self.path = path
         self.index = index
