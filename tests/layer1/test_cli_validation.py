@@ -382,7 +382,10 @@ def test_memory_plan_over_the_limit_is_refused():
         check_memory_plan(engine, 2.0)
 
 
-def test_memory_limit_above_the_free_memory_does_not_pass_a_plan_that_cannot_fit():
+@pytest.mark.parametrize("times_needed", [2.0, None], ids=["twice", "1e300 GiB"])
+def test_memory_limit_above_the_free_memory_does_not_pass_a_plan_that_cannot_fit(
+    times_needed,
+):
     args = parse_args(
         BASE
         + ["--max-requests", "65536", "--window-size", "8192", "--hidden-size", "4096"]
@@ -390,13 +393,10 @@ def test_memory_limit_above_the_free_memory_does_not_pass_a_plan_that_cannot_fit
     engine = ReferenceEngine(args.limits, args.reference, args.device)
     needed = engine.memory_plan().total
     assert needed > available_memory(engine.device)
+    # 1e300 GiB: more bytes than a float holds.
+    limit_gib = 1e300 if times_needed is None else times_needed * needed / GiB
     with pytest.raises(MemoryError, match="available on cpu"):
-        check_memory_plan(engine, 2 * needed / GiB)
-
-
-def test_a_memory_limit_beyond_a_float_of_bytes_is_no_cap():
-    args = parse_args(BASE + ["--memory-limit-gib", "1e300"])
-    check_memory_plan(ReferenceEngine(args.limits, args.reference, args.device), 1e300)
+        check_memory_plan(engine, limit_gib)
 
 
 def test_a_status_host_the_resolver_cannot_encode_is_refused_in_one_line(caplog):
