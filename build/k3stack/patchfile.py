@@ -314,6 +314,15 @@ def _unquote(text: bytes) -> tuple[bytes, bytes] | None:
     return None
 
 
+def plain_path(rel: str) -> bool:
+    """A relative POSIX path spelled one way only, never leaving its root:
+    the test selection matches these strings against test ids (``./x``,
+    ``x/`` or ``a/../x`` would not match and hide a test that no longer
+    runs), and apply writes ``tree / rel``."""
+    path = PurePosixPath(rel)
+    return path.as_posix() == rel and not path.is_absolute() and ".." not in path.parts
+
+
 def _diff_path(names: bytes, where: str, number: int) -> str:
     """The file a ``diff --git a/X b/X`` line names: both names C-quoted, the
     way git quotes unusual names, or both plain (blanks and all)."""
@@ -347,8 +356,7 @@ def _diff_path(names: bytes, where: str, number: int) -> str:
             f"{where}: diff line {number} names a file whose name is not UTF-8 "
             f"({shown}); refused"
         ) from None
-    plain = PurePosixPath(path)
-    if plain.as_posix() != path or plain.is_absolute() or ".." in plain.parts:
+    if not plain_path(path):
         raise StackError(
             f"{where}: diff line {number} names {path!r}, not a plain relative "
             "path; refused"

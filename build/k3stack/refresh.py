@@ -149,6 +149,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     applied_digests = marker.get("digests") or [None] * applied
     pending = []
     synced: set[int] = set()
+    disk_digests: dict[int, str] = {}  # layer number -> patches/, overlay/ now
     lower_overlay: set[str] = set()
     for layer, commit, applied_digest in zip(
         layers, commits, applied_digests, strict=True
@@ -174,7 +175,8 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
         digest = layer_digest(patch, owned)
         if digest == applied_digest:
             continue
-        if digest == disk_digest(stack, layer):
+        disk_digests[layer.number] = disk_digest(stack, layer)
+        if digest == disk_digests[layer.number]:
             # Already written back (a refresh that failed before its marker).
             synced.add(layer.number)
             continue
@@ -190,7 +192,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
                 "commit or stash them before refresh"
             )
     for layer, _, _, applied_digest in pending:
-        if applied_digest is not None and disk_digest(stack, layer) != applied_digest:
+        if applied_digest is not None and disk_digests[layer.number] != applied_digest:
             raise StackError(
                 f"layer {layer.number} ({layer.name}): patches/{layer.name} changed "
                 f"since {tree} was applied and the tree changes the layer too; "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from k3stack import StackError
-from k3stack.patchfile import LayerPatch, decode_utf8, load
+from k3stack.patchfile import LayerPatch, decode_utf8, load, plain_path
 
 # The sdist folders the wheel ships; a layer's diff changes files under them
 # or upstream tests (never packaged), nothing else (the build would drop it).
@@ -79,14 +79,6 @@ def read_series(patches_dir: Path) -> list[str]:
     return entries
 
 
-def _plain_path(rel: str) -> bool:
-    """A relative POSIX path spelled one way only: the test selection matches
-    these strings against test ids (``./x``, ``x/`` or ``a/../x`` would not
-    match and hide a test that no longer runs)."""
-    path = PurePosixPath(rel)
-    return path.as_posix() == rel and not path.is_absolute() and ".." not in path.parts
-
-
 def load_stack(root: Path) -> Stack:
     """Load and validate the stack of the checkout at ``root``.
 
@@ -115,7 +107,7 @@ def load_stack(root: Path) -> Stack:
     for layer in layers:
         for name in ("Overlay", "Upstream-Tests", "Suite"):
             for rel in layer.patch.values(name):
-                if not _plain_path(rel):
+                if not plain_path(rel):
                     raise StackError(
                         f"{layer.name}: {name} path {rel!r} is not a plain relative "
                         f"path (write it as {PurePosixPath(rel).as_posix()!r}, "
