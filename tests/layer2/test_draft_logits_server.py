@@ -139,6 +139,29 @@ def test_an_engine_that_returns_no_logits_fails_the_propose_and_drops_its_reques
     assert _ping(server)["active_requests"] == 0
 
 
+class _ShortLogitsEngine(TableEngine):
+    """An engine whose logits cover one drafted slot fewer than it drafted."""
+
+    def propose(self, batch: ProposeBatch) -> ProposeOutput:
+        output = super().propose(batch)
+        assert output.logits is not None
+        return ProposeOutput(output.tokens, output.logits[:, :-1], output.timings)
+
+
+def test_engine_logits_of_the_wrong_shape_fail_the_propose_and_drop_its_requests():
+    server = _table_server(_ShortLogitsEngine)
+    message = propose_message(
+        [entry("short", 10, count=10, reset=True)], K, CONTEXT_WIDTH, return_logits=True
+    )
+    header, frames = _handle(server, message)
+    assert not header["ok"] and frames == []
+    assert header["error"] == (
+        f"RuntimeError: the engine returned logits of shape (1, {K - 1}, 32), "
+        f"not [1, {K}, V]"
+    )
+    assert _ping(server)["active_requests"] == 0
+
+
 def test_greedy_client_still_gets_one_frame(client):
     header, frames = _propose(client, [entry("g", 20, count=20, reset=True)])
     assert header["ok"] and frames == [] and "extensions" not in header

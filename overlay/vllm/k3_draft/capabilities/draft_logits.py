@@ -186,6 +186,12 @@ class DraftLogitsReply(protocol.ReplyExtension):
         logits = context.logits
         if logits is None:
             raise RuntimeError("the engine returned no logits")
+        expected = (len(context.request_ids), context.num_speculative_tokens)
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
+            raise RuntimeError(
+                f"the engine returned logits of shape {tuple(logits.shape)}, "
+                f"not [{expected[0]}, {expected[1]}, V]"
+            )
         positions = sample_positions(
             context.anchor_positions,
             context.num_speculative_tokens,
