@@ -265,8 +265,13 @@ class FusedVerifyPlanner:
         if num_decodes == 0 or num_decode_tokens % num_decodes:
             return decode
         query_len = num_decode_tokens // num_decodes
-        # The common builder keeps decodes uniform (or zero-length padding);
-        # a full token count with the first length rules padding out.
+        # The common builder keeps decodes uniform, with zero-length graph
+        # padding after them; a padded step (too few tokens for its first
+        # length) keeps upstream's path when run eagerly. A full CUDA graph
+        # captured on a uniform step replays the fused kernel for padded steps
+        # too: their padded requests have seq_len 0, read no KV and get
+        # zero rows and -inf LSE (defined values for the layers after), which
+        # the runner drops.
         if int(query_start_loc_cpu[1] - query_start_loc_cpu[0]) != query_len:
             return decode
         plan = self.plan_for(num_decodes, query_len)
