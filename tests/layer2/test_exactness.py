@@ -159,6 +159,9 @@ def _propose_and_verify(
     client = DraftClient(server.address, 60_000)
     try:
         plan = RemotePlan(client, needs, [extension])
+        # Handshake first: a first step's own PING waits only a few
+        # milliseconds for its PONG, less than a loaded machine may take.
+        plan.connect()
         anchors = 1 + (np.arange(DRAWS) * 7) % 50_000
         requests = [
             StepRequest(f"c{case}-{i}", int(a), 0, case, 0, None)
