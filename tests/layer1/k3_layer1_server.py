@@ -2,11 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Helpers of the layer-1 tests: a real draft server process and a raw client.
 
-``DraftServerProcess`` runs ``python -m vllm.entrypoints.k3_dspark_standalone
---engine reference --device cpu`` with ``DEFAULT_OPTIONS`` (overridable) on an
-ipc path or a free loopback TCP port, waits for ``/readyz`` and stops the
-process on ``stop()``. ``RawClient`` sends arbitrary frames over a REQ socket
-and renews the socket after a timeout. ``propose_message`` builds a PROPOSE.
+``DraftServerProcess`` runs the draft server (``vllm.entrypoints.
+k3_dspark_standalone --engine reference --device cpu``) with
+``DEFAULT_OPTIONS`` (overridable) on an ipc path or a free loopback TCP port,
+waits for ``/readyz`` and stops the process on ``stop()``. The process is
+forked from a warm process that has imported the entry module once (torch and
+vllm take seconds to import, per process); it then runs the module's ``main``
+with the same arguments, environment and working directory as ``command()``,
+which tests of the program's own start-up run as a program. ``RawClient``
+sends arbitrary frames over a REQ socket and renews the socket after a
+timeout. ``propose_message`` builds a PROPOSE.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -80,6 +87,76 @@ def free_tcp_port() -> int:
     raise RuntimeError(f"no free loopback port in {block}..{last}")
 
 
+# What the warm process imports before it forks server processes.
+_WARM_PRELOAD = ["vllm.entrypoints.k3_dspark_standalone", "k3_layer1_server"]
+
+
+def warm_context() -> multiprocessing.context.ForkServerContext:
+    """The forkserver context whose server process has imported the draft
+    server's entry module (and this one): processes it starts skip those
+    imports. One server per test process, started on first use."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_WARM_PRELOAD)
+    return context
+
+
+def _run_server(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
+    """A warm server process: the entry module's ``main(argv)`` as
+    ``python -m`` runs it, in ``env`` and ``cwd``, output to ``log_path``."""
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    from vllm.entrypoints import k3_dspark_standalone
+
+    sys.argv = [k3_dspark_standalone.__file__, *argv]
+    k3_dspark_standalone.main(argv)
+
+
+class WarmProcess:
+    """A server process forked from ``warm_context``, with the part of
+    ``subprocess.Popen``'s surface the tests use. It is daemonic: a test
+    process that exits stops it."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.args = argv
+        self._process = warm_context().Process(
+            target=_run_server,
+            args=(argv, str(log_path), dict(os.environ), os.getcwd()),
+            daemon=True,
+        )
+        self._process.start()
+        assert self._process.pid is not None
+        self.pid: int = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def cli_args(options: dict[str, Any]) -> list[str]:
     """``--name value`` pairs (``True`` -> bare flag, ``None`` -> omitted)."""
     args: list[str] = []
@@ -102,13 +179,14 @@ class DraftServerProcess:
         self.options = {**DEFAULT_OPTIONS, **options}
         self.status_port = free_tcp_port()
         self.log_path = workdir / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | WarmProcess | None = None
 
     @property
     def status_url(self) -> str:
         return f"http://127.0.0.1:{self.status_port}"
 
-    def command(self) -> list[str]:
+    def arguments(self) -> list[str]:
+        """The server's command-line arguments."""
         options = {
             "engine": "reference",
             "device": "cpu",
@@ -116,20 +194,22 @@ class DraftServerProcess:
             "status_port": self.status_port,
             **self.options,
         }
+        return cli_args(options)
+
+    def command(self) -> list[str]:
+        """The server run as a program."""
         return [
             sys.executable,
             "-m",
             "vllm.entrypoints.k3_dspark_standalone",
-            *cli_args(options),
+            *self.arguments(),
         ]
 
-    def launch(self) -> subprocess.Popen[bytes]:
-        """Start the process, logging to ``log_path``; do not wait."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT
-            )
-        return self.proc
+    def launch(self) -> WarmProcess:
+        """Start the process (warm), logging to ``log_path``; do not wait."""
+        proc = WarmProcess(self.arguments(), self.log_path)
+        self.proc = proc
+        return proc
 
     def start(self) -> DraftServerProcess:
         """Start and wait until ``/readyz`` answers 200. A status port that

@@ -574,10 +574,15 @@ runpy.run_module(
 )
 def test_a_stop_signal_during_the_imports_stops_the_server_cleanly(tmp_path, signum):
     server = DraftServerProcess(tmp_path)
-    python, _, _, *args = server.command()
     with open(server.log_path, "ab") as log_file:
         code = subprocess.run(
-            [python, "-c", _SIGNAL_DURING_IMPORTS, str(int(signum)), *args],
+            [
+                sys.executable,
+                "-c",
+                _SIGNAL_DURING_IMPORTS,
+                str(int(signum)),
+                *server.arguments(),
+            ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             timeout=120,
