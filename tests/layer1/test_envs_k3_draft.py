@@ -52,6 +52,17 @@ def test_timeout_below_one_is_refused(monkeypatch):
         _ = envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS
 
 
+def test_timeout_beyond_zeromqs_bound_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", str(2**31 - 1))
+    assert envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS == 2**31 - 1
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", str(2**31))
+    with pytest.raises(
+        ValueError,
+        match=r"VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS=2147483648 must be at most 2147483647",
+    ):
+        _ = envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS
+
+
 def test_legacy_timeout_applies_when_the_new_one_is_unset(monkeypatch):
     monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_TIMEOUT_MS", "1234")
     assert envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS == 1234
