@@ -20,14 +20,17 @@ from k3stack.gitutil import changes, git, git_bytes
 from k3stack.pin import Pin
 from k3stack.series import PACKAGE_ROOTS, Stack
 from k3stack.wheel import WheelChanges, build_wheel
-from k3stack.worktree import UPSTREAM_TAG, layer_tag
+from k3stack.worktree import (
+    UPSTREAM_TAG,
+    layer_tag,
+    lock_folder,
+    remove_stale_staging,
+)
 
 BUILD_DIR = Path(__file__).resolve().parent.parent
 INSTALLER = Path(__file__).resolve().parent / "install.py"
 LOCK_NAME = "stack.lock.json"
 STAGING_PREFIX = ".k3stack-build-"
-# What a build puts in the image context folder (replaced by the next build).
-CONTEXT_ENTRIES = frozenset({"Dockerfile", "stack"})
 # The wheel's entry timestamp (1980-01-01T00:00:00Z), for the context too.
 CONTEXT_MTIME = 315532800
 
@@ -77,8 +80,13 @@ def build(
     context = out_dir / "image"
     if out_dir.exists() and not out_dir.is_dir():
         raise StackError(f"build: {out_dir} exists and is not a directory; refused")
+    if context.is_symlink() or (context.exists() and not context.is_dir()):
+        raise StackError(
+            f"build: {context} exists and is not a folder a build made; refused: "
+            "move it out of the way"
+        )
     if context.is_dir():
-        foreign = sorted({p.name for p in context.iterdir()} - CONTEXT_ENTRIES)
+        foreign = _foreign_files(context)
         if foreign:
             raise StackError(
                 f"build: {context} holds files a build does not make "
@@ -86,16 +94,35 @@ def build(
             )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.glob(f"{STAGING_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        # Only the staging folders no running build holds locked.
+        remove_stale_staging(out_dir, STAGING_PREFIX)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
+        lock = lock_folder(staging)
         try:
             staged = _build_in(stack, pin, tree, upstream_wheel, staging, layers)
             return _publish(staged, out_dir, pin)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            os.close(lock)
     except OSError as e:
         raise StackError(f"build into {out_dir} failed: {e}") from e
+
+
+def _foreign_files(context: Path) -> list[str]:
+    """The files (and links) in an image context that no build made: all but
+    the Dockerfile, the installer, the lock and the payload that lock lists."""
+    made = {"Dockerfile", "stack/install.py", f"stack/{LOCK_NAME}"}
+    try:
+        lock = json.loads((context / "stack" / LOCK_NAME).read_bytes())
+        made |= {f"stack/site/{rel}" for rel in lock["payload"]["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no lock of a build here: only the fixed entries are a build's
+    found = (
+        p.relative_to(context).as_posix()
+        for p in context.rglob("*")
+        if p.is_symlink() or not p.is_dir()
+    )
+    return sorted(rel for rel in found if rel not in made)
 
 
 def _publish(staged: BuildResult, out_dir: Path, pin: Pin) -> BuildResult:

@@ -12,11 +12,12 @@ from pathlib import Path
 from k3stack import StackError
 from k3stack.artifacts import build, docker_build
 from k3stack.fetch import fetch
+from k3stack.gitutil import git
 from k3stack.pin import Pin, load_pin
 from k3stack.refresh import refresh
 from k3stack.series import Stack, check_suites, load_stack
 from k3stack.upstream import export_checkout, extract_sdist
-from k3stack.worktree import build_tree, current_marker
+from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TREE = ROOT / ".work" / "tree"
@@ -62,9 +63,23 @@ def cmd_refresh(args: argparse.Namespace) -> None:
     print(f"refresh: {len(changed)} files changed")
 
 
+def check_tree_upstream(tree: Path, pin: Pin) -> None:
+    """Refuse a tree whose pristine commit is not the pinned release's (apply
+    and ``rebase --port`` write ``pristine_message(pin)``): after a re-pin its
+    files over the other release's binaries would be neither release."""
+    found = git(tree, "log", "-1", "--format=%s", UPSTREAM_TAG, check=False)
+    wanted = pristine_message(pin).strip()
+    if found != wanted:
+        raise StackError(
+            f"{tree} holds {found or 'no pristine commit'!r} as upstream, the pin "
+            f"is {wanted!r}; refused: run `nox -s apply` again"
+        )
+
+
 def cmd_build(args: argparse.Namespace) -> None:
     stack, pin = load_stack(ROOT), load_pin()
     marker = current_marker(stack, args.tree)
+    check_tree_upstream(args.tree, pin)
     start = time.monotonic()
     wheel = fetch(pin.wheel(), pin.name)
     result = build(stack, pin, args.tree, wheel, args.dist, marker["layers"])
@@ -81,6 +96,7 @@ def cmd_site(args: argparse.Namespace) -> None:
     check_site_dest(args.dest)
     stack, pin = load_stack(ROOT), load_pin()
     marker = current_marker(stack, args.tree)
+    check_tree_upstream(args.tree, pin)
     wheel = fetch(pin.wheel(), pin.name)
     work = ROOT / ".work"
     result = build(stack, pin, args.tree, wheel, work / "site-dist", marker["layers"])

@@ -240,7 +240,7 @@ def build_tree(
         dest.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(dest.parent, prefix)
         staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
-        lock = _lock(staging)
+        lock = lock_folder(staging)
         try:
             lay_out_pristine(staging)
             git(staging, "init", "-q", "-b", "main")
@@ -263,7 +263,7 @@ def build_tree(
         raise StackError(f"apply into {dest} failed: {e}") from e
 
 
-def _lock(folder: Path) -> int:
+def lock_folder(folder: Path) -> int:
     """An open descriptor of ``folder`` holding an exclusive lock on it
     (released when closed or when the process dies, however it dies);
     ``BlockingIOError`` if another one holds it."""
@@ -277,15 +277,16 @@ def _lock(folder: Path) -> int:
 
 
 def remove_stale_staging(parent: Path, prefix: str) -> None:
-    """Remove the staging trees that killed applies left in ``parent``: the
-    folders named ``prefix*`` that no running apply holds locked."""
+    """Remove the staging trees that killed runs (apply, build) left in
+    ``parent``: the folders named ``prefix*`` that no running one holds
+    locked."""
     for stale in parent.glob(f"{glob.escape(prefix)}*"):
         if stale.is_symlink() or not stale.is_dir():
             continue
         try:
-            fd = _lock(stale)
+            fd = lock_folder(stale)
         except BlockingIOError:
-            continue  # an apply building it now
+            continue  # a run building it now
         try:
             shutil.rmtree(stale, ignore_errors=True)
         finally:

@@ -596,3 +596,120 @@ def test_a_changed_file_keeps_the_upstream_wheel_s_executable_mode(
     result = build(filled.stack(), filled.pin, filled.tree, upstream, tmp_path / "d", 3)
     with zipfile.ZipFile(result.wheel) as zf:
         assert zf.getinfo("vllm/envs.py").external_attr >> 16 == 0o100755
+
+
+def test_a_build_refuses_files_it_did_not_make_deep_in_the_image_context(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    build_into(filled, dist)
+    mine = dist / "image" / "stack" / "NOTES.txt"
+    mine.write_text("mine\n")
+    (dist / "image" / "stack" / "site" / "extra.py").write_text("X = 1\n")
+    before = dist_files(dist)
+    with pytest.raises(StackError, match="holds files a build does not make"):
+        build_into(filled, dist)
+    assert dist_files(dist) == before
+    # What the previous build made is no user's: a rebuild replaces it.
+    mine.unlink()
+    (dist / "image" / "stack" / "site" / "extra.py").unlink()
+    build_into(filled, dist)
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_an_image_path_that_is_no_folder_is_refused_before_anything_changes(
+    filled: Synthetic, tmp_path: Path, kind: str
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    build_into(filled, dist)
+    before = sorted(p.name for p in dist.iterdir())
+    context = dist / "image"
+    elsewhere = tmp_path / "elsewhere"
+    context.rename(elsewhere)
+    if kind == "file":
+        context.write_text("mine\n")
+    else:
+        context.symlink_to(elsewhere)
+    with pytest.raises(StackError, match=f"{context} .*refused") as e:
+        build_into(filled, dist)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in dist.iterdir()) == before
+    assert context.is_symlink() if kind == "symlink" else context.read_text()
+
+
+def test_a_build_leaves_the_staging_folder_of_a_running_build_alone(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import k3stack.artifacts as artifacts
+
+    filled.apply()
+    dist = tmp_path / "dist"
+    real = artifacts.build_wheel
+    started: list[bool] = []
+
+    def wheel_then_another_build(*args, **kwargs):
+        wheel = real(*args, **kwargs)
+        if not started:  # a second build into the same dist starts meanwhile
+            started.append(True)
+            build_into(filled, dist)
+        return wheel
+
+    monkeypatch.setattr(artifacts, "build_wheel", wheel_then_another_build)
+    first = build_into(filled, dist)
+    assert first.wheel.is_file() and first.lock.is_file()
+    assert sorted(os.listdir(dist)) == ["image", "stack.lock.json", first.wheel.name]
+
+
+def rename_wheel(wheel: Path, out: Path, version: str) -> Path:
+    """``wheel`` (vllm 1.0) as the wheel of vllm ``version``."""
+    target = out / wheel.name.replace("-1.0-", f"-{version}-")
+    old, new = "vllm-1.0.dist-info", f"vllm-{version}.dist-info"
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(target, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == f"{old}/METADATA":
+                data = data.replace(b"Version: 1.0\n", f"Version: {version}\n".encode())
+            if info.filename == f"{old}/RECORD":
+                data = data.replace(old.encode(), new.encode())
+            dst.writestr(info.filename.replace(old, new), data)
+    return target
+
+
+def test_build_refuses_a_tree_applied_on_another_upstream_than_the_pin(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `rebase --write-pin` (or a pin checked out), the tree still holds
+    the old release: its changed files over the new release's binaries would
+    be neither release."""
+    from conftest import artifact
+
+    from k3stack import cli
+    from k3stack.pin import Pin
+
+    wheel2 = rename_wheel(filled.wheel, tmp_path, "2.0")
+    pins = {
+        "1.0": filled.pin,
+        "2.0": Pin(
+            "vllm",
+            "2.0",
+            "def5678",
+            filled.pin.sdist,  # not fetched by build
+            {"x86_64": artifact(wheel2)},
+            "vllm/vllm-openai:v2.0",
+        ),
+    }
+    files = {filled.sdist.name: filled.sdist, filled.wheel.name: filled.wheel}
+    files[wheel2.name] = wheel2
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    monkeypatch.setattr(cli, "fetch", lambda a, name: files[a.filename])
+    monkeypatch.setattr(cli, "load_pin", lambda: pins["1.0"])
+    tree = tmp_path / "applied"
+    assert cli.main(["apply", "--tree", str(tree)]) == 0
+    monkeypatch.setattr(cli, "load_pin", lambda: pins["2.0"])
+    dist = tmp_path / "dist"
+    assert cli.main(["build", "--tree", str(tree), "--dist", str(dist)]) == 1
+    assert not dist.exists()
+    monkeypatch.setattr(cli, "load_pin", lambda: pins["1.0"])
+    assert cli.main(["build", "--tree", str(tree), "--dist", str(dist)]) == 0
