@@ -126,6 +126,43 @@ def _without_note(shared: dict[int, list[str]]) -> str:
     )
 
 
+def _landed_as_a_stack(tree: Path, stack: Stack) -> set[int]:
+    """The layers whose change ``tree`` (the new upstream) holds, peeled from
+    the top: a layer is there if its overlay files are, byte for byte, and
+    its diff reverse-applies once the later layers found there are undone
+    (their hunks may border its own, so it cannot reverse-apply alone)."""
+    files: dict[str, bytes | None] = {}
+
+    def read(path: str) -> bytes | None:
+        if path not in files:
+            target = tree / path
+            files[path] = target.read_bytes() if target.is_file() else None
+        return files[path]
+
+    landed: set[int] = set()
+    for layer in reversed(stack.layers):
+        if not (layer.patch.files or layer.patch.overlay):
+            continue
+        if any(
+            read(rel) != (stack.overlay_dir / rel).read_bytes()
+            for rel in layer.patch.overlay
+        ):
+            continue
+        undone: dict[str, bytes | None] = {}
+        try:
+            for fp in layer.patch.files:
+                text = read(fp.path)
+                if text is None:
+                    raise HunkMismatch(fp.path, 0, None, "missing")
+                undone[fp.path] = apply_exact(text, fp.reversed())
+        except HunkMismatch:
+            continue
+        landed.add(layer.number)
+        files.update(undone)
+        files.update(dict.fromkeys(layer.patch.overlay))
+    return landed
+
+
 def _conflict_hunks(tree: Path, path: str) -> list[str]:
     ranges, start = [], None
     text = (tree / path).read_text(errors="replace").splitlines()
@@ -150,6 +187,7 @@ def classify(
             shutil.rmtree(item) if item.is_dir() else item.unlink()
     shutil.copytree(new_upstream, tree, dirs_exist_ok=True)
     commit_all(tree, message, date="1980-01-01T00:00:00+0000")
+    landed = _landed_as_a_stack(tree, stack)
     results = []
     skipped: list[Layer] = []
     for layer in stack.layers:
@@ -171,6 +209,14 @@ def classify(
             result.status = "already-upstream"
             result.note = _join(
                 "the diff reverse-applies and the overlay files are present", without
+            )
+            continue
+        if layer.number in landed:
+            result.status = "already-upstream"
+            result.note = _join(
+                "the diff reverse-applies with the later layers already upstream "
+                "undone, and the overlay files are present",
+                without,
             )
             continue
         if not exact and not clash:
@@ -268,10 +314,17 @@ def render_report(target: str, results: list[LayerResult]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        lines.append(
-            f"| {r.number} | {r.patch} | {r.status} | {'<br>'.join(r.files)} | "
-            f"{'<br>'.join(r.hunks)} | {r.note} |"
-        )
+        cells = [
+            str(r.number),
+            r.patch,
+            r.status,
+            "<br>".join(r.files),
+            "<br>".join(r.hunks),
+            r.note,
+        ]
+        # A '|' (git copies a hunk's function line: `-> str | None:`) would
+        # end its cell.
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -388,6 +441,10 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         check_portable(stack, args.tree)  # refused before anything is fetched
     if args.checkout is not None:
         checkout_head(args.checkout)  # refused before the stack is applied
+    if args.report.exists() and not args.report.is_dir():
+        raise StackError(
+            f"rebase: --report {args.report} exists and is not a directory; refused"
+        )
     work = Path(tempfile.mkdtemp(prefix="k3stack-rebase-"))
     try:
         tree = work / "tree"
@@ -403,16 +460,19 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
             info["sdist_sha256"] = sha256_file(sdist)
             target = f"{pin.name} {args.to}"
         results = classify(stack, tree, new, f"{target}\n")
-        args.report.mkdir(parents=True, exist_ok=True)
-        (args.report / "report.md").write_text(render_report(target, results))
-        (args.report / "report.json").write_text(
-            json.dumps(
-                {"target": info, "layers": [asdict(r) for r in results]},
-                indent=2,
-                sort_keys=True,
+        try:
+            args.report.mkdir(parents=True, exist_ok=True)
+            (args.report / "report.md").write_text(render_report(target, results))
+            (args.report / "report.json").write_text(
+                json.dumps(
+                    {"target": info, "layers": [asdict(r) for r in results]},
+                    indent=2,
+                    sort_keys=True,
+                )
+                + "\n"
             )
-            + "\n"
-        )
+        except OSError as e:
+            raise StackError(f"rebase: cannot write the report: {e}") from e
         for r in results:
             print(f"rebase: layer {r.number} {r.patch}: {r.status}")
             for hunk in r.hunks:
@@ -420,11 +480,20 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         print(f"rebase: report in {args.report}/report.md")
         if args.port:
             refuse_landed_layers(results, target)
+        old_pin = PIN_FILE.read_bytes()
         if args.write_pin or args.port:
             write_pin(pin, args.to, new, sdist, info)
             print(f"rebase: pinned {pin.name} {args.to} in {PIN_FILE}")
         if args.port:
-            port_tree(stack, args.tree, new, pristine_message(load_pin()))
+            try:
+                port_tree(stack, args.tree, new, pristine_message(load_pin()))
+            except StackError:
+                if not _rebase_stopped(args.tree):
+                    # Not a conflict: the tree stays as it was, so does the pin.
+                    staged = PIN_FILE.with_name(PIN_FILE.name + ".old")
+                    staged.write_bytes(old_pin)
+                    staged.replace(PIN_FILE)
+                raise
             print(
                 f"rebase: the {len(stack.layers)} layer commits of {args.tree} are "
                 f"on {target}; `nox -s refresh` writes their patches"

@@ -24,7 +24,7 @@ from k3stack.rebase import (
     retagged_image,
     select_wheels,
 )
-from k3stack.upstream import extract_sdist
+from k3stack.upstream import export_checkout, extract_sdist
 from k3stack.worktree import MARKER
 
 
@@ -534,3 +534,116 @@ def test_port_during_a_stopped_port_says_to_finish_or_abort_it(
         port_tree(filled.stack(), filled.tree, new, "v2\n")
     with pytest.raises(StackError, match="in the middle of a rebase"):
         check_portable(filled.stack(), filled.tree)
+
+
+def checkout_of(path: Path) -> Path:
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A", "--force")
+    git(path, "commit", "-q", "-m", "upstream 2.0")
+    return path
+
+
+def cache_sdist(syn: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The pinned sdist in a cache of its own, as `fetch` finds it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / syn.sdist.name).write_bytes(syn.sdist.read_bytes())
+    monkeypatch.setenv("K3_STACK_CACHE", str(cache))
+    return cache
+
+
+def test_a_report_path_that_is_a_file_is_refused_in_one_line(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache_sdist(filled, tmp_path, monkeypatch)
+    checkout = checkout_of(new_upstream(tmp_path, UPSTREAM_FILES))
+    report = tmp_path / "report"
+    report.write_text("mine\n")
+    args = rebase_args(tmp_path, checkout=checkout, report=report)
+    with pytest.raises(StackError, match=f"{report}.*not a directory") as e:
+        rebase_command(filled.stack(), filled.pin, args)
+    assert "\n" not in str(e.value)
+    assert report.read_text() == "mine\n"
+
+
+def test_a_port_that_git_cannot_start_leaves_the_pin_as_it_was(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import k3stack.rebase as rebase_mod
+    from k3stack.pin import load_pin
+
+    cache = cache_sdist(filled, tmp_path, monkeypatch)
+    files = dict(UPSTREAM_FILES, **{"vllm/_version.py": "commit_id = 'g2222222'\n"})
+    sdist = make_sdist(tmp_path / "vllm-2.0.tar.gz", files, top="vllm-2.0")
+    wheel_name = "vllm-2.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    (cache / wheel_name).write_bytes(filled.wheel.read_bytes())
+    monkeypatch.setattr(
+        rebase_mod,
+        "fetch_release",
+        lambda pin, version: (
+            sdist,
+            {"sdist": sdist.name, "wheels": {wheel_name: "http://unused/"}},
+        ),
+    )
+    pin_file = tmp_path / "pin.toml"
+    pin_text = (
+        '[upstream]\nname = "vllm"\nversion = "1.0"\ncommit = "abc1234"\n\n'
+        '[upstream.sdist]\nfilename = "x.tar.gz"\nsize = 1\nsha256 = "00"\n\n'
+        '[upstream.wheels.x86_64]\nfilename = "x.whl"\nsize = 1\nsha256 = "00"\n\n'
+        '[image]\nbase = "vllm/vllm-openai:v1.0"\n'
+    )
+    pin_file.write_text(pin_text)
+    monkeypatch.setattr(rebase_mod, "PIN_FILE", pin_file)
+    monkeypatch.setattr(rebase_mod, "load_pin", lambda path=pin_file: load_pin(path))
+    upstream = git(filled.tree, "rev-parse", "upstream")
+    # Another git process's lock: the rebase fails before it starts.
+    (filled.tree / ".git" / "index.lock").touch()
+    args = rebase_args(tmp_path, to="2.0", port=True, tree=filled.tree)
+    with pytest.raises(StackError, match="git rebase"):
+        rebase_command(filled.stack(), filled.pin, args)
+    assert git(filled.tree, "rev-parse", "upstream") == upstream
+    assert pin_file.read_text() == pin_text
+
+
+def test_an_upstream_that_holds_every_layer_has_every_layer_already_upstream(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    # Layer 3's change borders layer 1's: with both upstream, layer 1's diff
+    # reverse-applies only once layer 3's is undone.
+    refill(filled, 3, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_6=66)})
+    filled.apply()
+    new = tmp_path / "new"
+    export_checkout(filled.tree, new)
+    results = classify(filled.stack(), filled.tree, new, "v2\n")
+    assert [r.status for r in results] == ["already-upstream"] * 3
+
+
+def test_a_layer_is_not_taken_for_upstream_under_a_later_one_that_is_not(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    # Upstream has layer 3's setting but not layer 1's: neither is upstream.
+    refill(filled, 3, {"vllm/envs.py": envs_with(SETTING_5=55, SETTING_6=66)})
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **{"vllm/envs.py": envs_with(SETTING_6=66)})
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results] == ["conflict", "clean", "conflict"]
+
+
+def test_a_hunk_header_with_a_pipe_keeps_the_report_table_s_columns() -> None:
+    import re
+
+    from k3stack.rebase import render_report
+
+    # Git copies the hunk's function line: vLLM's type hints hold '|'.
+    hunk = (
+        "vllm/envs.py hunk 3 (@@ -617,6 +647,40 @@ def _resolve_rust_cli_path() "
+        "-> str | None:): line 617 does not match exactly"
+    )
+    result = LayerResult(1, "0001-a.patch", "3-way", ["vllm/envs.py"], [hunk])
+    result.note = "a | b"
+    rows = render_report("vllm 2.0", [result]).splitlines()[2:]
+    cells = [re.split(r"(?<!\\)\|", row)[1:-1] for row in rows]
+    assert [len(c) for c in cells] == [6, 6, 6]
+    assert cells[2][4].strip() == hunk.replace("|", "\\|")
