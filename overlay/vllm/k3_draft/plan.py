@@ -28,8 +28,10 @@ failing FREE keeps it stale. A transport failure ends the step for every
 request and the client stays offline, with exponential backoff, until a
 handshake succeeds again; error or malformed replies do the same from the
 second in a row (the first is retried with a handshake next step: a
-restarted server answers that way). A retry never blocks a step for the RPC
-timeout.
+restarted server answers that way). A retry's PING never blocks a step for
+the RPC timeout; the RPCs after its PONG (the CLEAR of an earlier verifier's
+requests, the step's own) are ordinary calls, which a server that dies right
+after the PONG holds up for the timeout, once.
 
 Extension point: a higher layer adds a ``ProposeExtension`` (the verifier half
 of a wire capability) by registering a factory with
