@@ -28,7 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +100,15 @@ def warm_context() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-def _run_server(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
-    """A warm server process: the entry module's ``main(argv)`` as
-    ``python -m`` runs it, in ``env`` and ``cwd``, output to ``log_path``."""
+def _run_logged(
+    log_path: str,
+    env: dict[str, str],
+    cwd: str,
+    target: Callable[..., object],
+    args: tuple[Any, ...],
+) -> None:
+    """The body of a warm process: ``target(*args)`` in ``env`` and ``cwd``,
+    standard output and error to ``log_path``."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -110,6 +116,11 @@ def _run_server(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    target(*args)
+
+
+def _run_server(argv: list[str]) -> None:
+    """The entry module's ``main(argv)``, as ``python -m`` runs it."""
     from vllm.entrypoints import k3_dspark_standalone
 
     sys.argv = [k3_dspark_standalone.__file__, *argv]
@@ -117,15 +128,22 @@ def _run_server(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -
 
 
 class WarmProcess:
-    """A server process forked from ``warm_context``, with the part of
-    ``subprocess.Popen``'s surface the tests use. It is daemonic: a test
-    process that exits stops it."""
+    """``target(*args)`` in a process forked from ``warm_context``, in this
+    process's environment and working directory, its output appended to
+    ``log_path``; with the part of ``subprocess.Popen``'s surface the tests
+    use (``SystemExit`` sets the exit status as in a program). It is
+    daemonic: a test process that exits stops it."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
-        self.args = argv
+    def __init__(
+        self,
+        target: Callable[..., object],
+        args: tuple[Any, ...],
+        log_path: Path,
+    ) -> None:
+        self.args = [getattr(target, "__name__", repr(target)), *map(str, args)]
         self._process = warm_context().Process(
-            target=_run_server,
-            args=(argv, str(log_path), dict(os.environ), os.getcwd()),
+            target=_run_logged,
+            args=(str(log_path), dict(os.environ), os.getcwd(), target, args),
             daemon=True,
         )
         self._process.start()
@@ -207,7 +225,7 @@ class DraftServerProcess:
 
     def launch(self) -> WarmProcess:
         """Start the process (warm), logging to ``log_path``; do not wait."""
-        proc = WarmProcess(self.arguments(), self.log_path)
+        proc = WarmProcess(_run_server, (self.arguments(),), self.log_path)
         self.proc = proc
         return proc
 

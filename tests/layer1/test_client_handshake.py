@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 import threading
 import time
@@ -252,22 +251,17 @@ def test_server_public_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
     )
 
 
-# Builds a DraftClient(argv[1], 1000 ms, CURVE to server key argv[2] if any)
-# and exits with its ValueError's message.
-_CONSTRUCT = """
-import sys
-import zmq
-from vllm.k3_draft.client import CurveKeys, DraftClient
-address, server_key = sys.argv[1:]
-curve = None
-if server_key:
-    public, secret = zmq.curve_keypair()
-    curve = CurveKeys(server_key.encode(), public, secret)
-try:
-    DraftClient(address, 1000, curve).close()
-except ValueError as exc:
-    sys.exit(str(exc))
-"""
+def _construct(address: str, server_key: str) -> None:
+    """Build a DraftClient(address, 1000 ms, CURVE to ``server_key`` if any)
+    and exit with its ValueError's message."""
+    curve = None
+    if server_key:
+        public, secret = zmq.curve_keypair()
+        curve = CurveKeys(server_key.encode(), public, secret)
+    try:
+        DraftClient(address, 1000, curve).close()
+    except ValueError as exc:
+        sys.exit(str(exc))
 
 
 @pytest.mark.parametrize(
@@ -280,19 +274,22 @@ except ValueError as exc:
     ids=["host", "ipc-path-too-long", "truncated-server-key"],
 )
 def test_client_that_cannot_connect_fails_construction_in_one_line(
-    address, server_key, reason
+    address, server_key, reason, tmp_path
 ):
     """The socket is closed before the error propagates (left open, it kept
-    the context's term() waiting for ever); in a subprocess, so that a hang
-    fails on the timeout."""
-    child = subprocess.run(
-        [sys.executable, "-c", _CONSTRUCT, address, server_key],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    the context's term() waiting for ever); in a process of its own, so that
+    a hang fails on the timeout."""
+    from k3_layer1_server import WarmProcess
+
+    log = tmp_path / "construct.log"
+    child = WarmProcess(_construct, (address, server_key), log)
+    try:
+        assert child.wait(timeout=60) == 1, log.read_text()
+    finally:
+        child.kill()
+    assert (
+        log.read_text().splitlines()[-1] == f"cannot connect to {address!r}: {reason}"
     )
-    assert child.returncode == 1, child.stderr
-    assert child.stderr.splitlines()[-1] == f"cannot connect to {address!r}: {reason}"
 
 
 def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):

@@ -12,8 +12,8 @@ import contextlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -39,9 +39,10 @@ def _module() -> Any:
 
 
 def _layer1_helpers() -> Any:
-    """Layer 1's test helpers (a draft server process, loopback ports), which
-    the script uses too. Imported when called: the ranks spawned from this
-    module import it, and must set Triton's interpreter before Triton loads."""
+    """Layer 1's test helpers (a draft server process, loopback ports, the
+    warm process), which the script uses too. Imported when called: the ranks
+    that run kernels import this module, and must set Triton's interpreter
+    before Triton loads."""
     folder = str(_module().TOY_TARGET_DIR)
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -97,15 +98,27 @@ def test_output_in_a_row_that_sees_no_kv_fails_the_comparison() -> None:
 # ------------------------------------------------- two ranks on gloo
 
 
-def _spawn(fn: Any, tmp_path: Path, *args: Any, ranks: int = 2) -> Any:
-    """Run ``fn(rank, init_method, out, *args)`` on ``ranks`` spawned ranks;
-    rank 0 writes JSON to ``out``, which is returned parsed."""
+def _spawn(
+    fn: Any, tmp_path: Path, *args: Any, ranks: int = 2, kernels: bool = False
+) -> Any:
+    """Run ``fn(rank, init_method, out, *args)`` on ``ranks`` processes; rank 0
+    writes JSON to ``out``, which is returned parsed. Ranks that run Triton
+    kernels (``kernels``) start afresh, so that Triton's interpreter is on
+    before Triton loads; others fork from layer 1's warm process (torch and
+    vllm imported already)."""
     import torch.multiprocessing as mp
 
+    helpers = _layer1_helpers()
+    if not kernels:
+        helpers.warm_context()
     out = tmp_path / "rank0.json"
-    init = f"tcp://127.0.0.1:{_layer1_helpers().free_tcp_port()}"
+    init = f"tcp://127.0.0.1:{helpers.free_tcp_port()}"
     mp.start_processes(
-        fn, args=(init, str(out), *args), nprocs=ranks, join=True, start_method="spawn"
+        fn,
+        args=(init, str(out), *args),
+        nprocs=ranks,
+        join=True,
+        start_method="spawn" if kernels else "forkserver",
     )
     return json.loads(out.read_text())
 
@@ -195,39 +208,48 @@ def test_a_check_raising_on_rank_one_only_fails_in_rank_zeros_report(
 
 # ----------------------------------------------- the run's verdict (main)
 
-# main() with the world run and the draft server replaced: the verdict over
-# the checks rank 0 reported is what is under test.
-MAIN_PROBE = """
-import json, sys, types, importlib.util
-spec = importlib.util.spec_from_file_location("multi_rank", sys.argv[1])
-module = sys.modules["multi_rank"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-class Server:
-    address = "tcp://127.0.0.1:1"
-    def __init__(self, *args, **kwargs): pass
-    def start(self): return self
-    def stop(self): pass
-sys.modules["k3_layer1_server"] = types.SimpleNamespace(
-    DraftServerProcess=Server, free_tcp_port=lambda: 1
-)
-result = json.loads(sys.argv[2])
-module.run_world = lambda n, server, workdir, timeout_s: dict(result, world_size=n)
-sys.exit(module.main(["--world-sizes", "1", "--out", sys.argv[3]]))
-"""
+
+def _main_with(result: dict[str, Any], out: str) -> None:
+    """The script's ``main()`` with the world run, the draft server and the
+    probe of the ranks' environment replaced: the verdict over the checks
+    rank 0 reported is what is under test."""
+
+    class Server:
+        address = "tcp://127.0.0.1:1"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> Server:
+            return self
+
+        def stop(self) -> None:
+            pass
+
+    module = _module()
+    sys.modules["k3_layer1_server"] = types.SimpleNamespace(  # type: ignore[assignment]
+        DraftServerProcess=Server, free_tcp_port=lambda: 1
+    )
+    module.run_world = lambda n, server, workdir, timeout_s: dict(result, world_size=n)
+    module._python_path_env = lambda: dict(os.environ)
+    sys.exit(module.main(["--world-sizes", "1", "--out", out]))
+
+
 PASS = {"status": "PASS", "summary": "ok"}
 ALL_PASS = dict.fromkeys(("tp_broadcast", "dcp_merge", "replicated_draft"), PASS)
 
 
 def _main_verdict(result: dict[str, Any], tmp_path: Path) -> tuple[int, bool]:
+    """The exit status and verdict of ``_main_with`` in a warm process."""
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", MAIN_PROBE, str(SCRIPT), json.dumps(result), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
-    return proc.returncode, json.loads(out.read_text())["passed"]
+    log = tmp_path / "main.log"
+    proc = _layer1_helpers().WarmProcess(_main_with, (result, str(out)), log)
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert out.exists(), log.read_text()[-4000:]
+    return code, json.loads(out.read_text())["passed"]
 
 
 def test_a_run_whose_checks_all_pass_passes(tmp_path: Path) -> None:
@@ -276,7 +298,7 @@ def _dcp_merge_rank(rank: int, init: str, out: str, broken_ranks: list[int]) -> 
 def test_a_dcp_merge_off_by_ten_percent_fails_the_check(
     broken_ranks: list[int], tmp_path: Path
 ) -> None:
-    assert _spawn(_dcp_merge_rank, tmp_path, broken_ranks) == "FAIL"
+    assert _spawn(_dcp_merge_rank, tmp_path, broken_ranks, kernels=True) == "FAIL"
 
 
 def _replicated_rank(rank: int, init: str, out: str, breakage: str) -> None:
@@ -316,7 +338,7 @@ def _replicated_status(module: Any, rank: int, breakage: str) -> str:
 def test_a_broken_draft_kv_layout_fails_the_replicated_draft_check(
     breakage: str, tmp_path: Path
 ) -> None:
-    assert _spawn(_replicated_rank, tmp_path, breakage) == "FAIL"
+    assert _spawn(_replicated_rank, tmp_path, breakage, kernels=True) == "FAIL"
 
 
 def _run_tp_broadcast_only(
