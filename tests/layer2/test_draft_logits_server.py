@@ -128,15 +128,22 @@ class _LogitsLostEngine(TableEngine):
         return ProposeOutput(output.tokens, None, output.timings)
 
 
-def test_an_engine_that_returns_no_logits_fails_the_propose_and_drops_its_requests():
-    server = _table_server(_LogitsLostEngine)
+def _logits_propose_error(engine_type: type[TableEngine]) -> str:
+    """The error of one new request's PROPOSE asking for logits from a table
+    server around ``engine_type``, which must keep no request."""
+    server = _table_server(engine_type)
     message = propose_message(
-        [entry("lost", 10, count=10, reset=True)], K, CONTEXT_WIDTH, return_logits=True
+        [entry("r", 10, count=10, reset=True)], K, CONTEXT_WIDTH, return_logits=True
     )
     header, frames = _handle(server, message)
     assert not header["ok"] and frames == []
-    assert header["error"] == "RuntimeError: the engine returned no logits"
     assert _ping(server)["active_requests"] == 0
+    return header["error"]
+
+
+def test_an_engine_that_returns_no_logits_fails_the_propose_and_drops_its_requests():
+    error = _logits_propose_error(_LogitsLostEngine)
+    assert error == "RuntimeError: the engine returned no logits"
 
 
 class _ShortLogitsEngine(TableEngine):
@@ -149,17 +156,10 @@ class _ShortLogitsEngine(TableEngine):
 
 
 def test_engine_logits_of_the_wrong_shape_fail_the_propose_and_drop_its_requests():
-    server = _table_server(_ShortLogitsEngine)
-    message = propose_message(
-        [entry("short", 10, count=10, reset=True)], K, CONTEXT_WIDTH, return_logits=True
-    )
-    header, frames = _handle(server, message)
-    assert not header["ok"] and frames == []
-    assert header["error"] == (
+    assert _logits_propose_error(_ShortLogitsEngine) == (
         f"RuntimeError: the engine returned logits of shape (1, {K - 1}, 32), "
         f"not [1, {K}, V]"
     )
-    assert _ping(server)["active_requests"] == 0
 
 
 def test_greedy_client_still_gets_one_frame(client):
