@@ -22,6 +22,15 @@ logits: bf16 staging or the top-k selection, on the engine's device, here the
 CPU), the engine's own time, the round trip minus the server's handling (the
 transport), and the client's validation and staging (``consume``).
 
+Every reply is also checked outside the round trip (``decode_logits``, no
+vllm needed), and once per case its content against the table's logits: a
+server that sent no top-k (or stale frames) fails the run instead of
+timing it. ``--context-rows N --context-width W`` send, in every PROPOSE,
+N context rows of W bf16 values per request with the anchors advancing by
+N, as the verifier's decode steps do (N >= 1: each step sends its accepted
+tokens' rows; Kimi DFlash W = 3 x 7168); the default, no rows, is a
+PROPOSE no decode step sends.
+
 Acceptance: the acceptance rate a verifier loses by sampling drafts from the
 top-k slice, computed exactly from synthetic draft distributions q (peaked
 and flat) and target distributions p near them: per position
@@ -50,7 +59,7 @@ import torch
 
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient
-from vllm.k3_draft.logits_codec import LogitsFormat
+from vllm.k3_draft.logits_codec import LogitsFormat, decode_logits
 from vllm.k3_draft.plan import Proposal
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -62,6 +71,8 @@ VOCAB = 163_840
 K = 3
 TOPKS = (16, 64, 256)
 BATCHES = (1, 8)
+# The table server's max_model_len (k3_l2_engines.py's default).
+MAX_MODEL_LEN = 1 << 20
 ENGINE_TIMINGS = ("context", "query", "device_wait", "copy_back")
 
 
@@ -73,7 +84,12 @@ class _OneRank:
 
 
 def start_server(
-    table_path: str, address: str, device: str, busy_poll_us: int
+    table_path: str,
+    address: str,
+    device: str,
+    busy_poll_us: int,
+    context_width: int = 8,
+    context_rows: int = 0,
 ) -> subprocess.Popen:
     command = [
         sys.executable,
@@ -86,6 +102,8 @@ def start_server(
         str(max(BATCHES)),
         *("--device", device),
         *("--busy-poll-us", str(busy_poll_us)),
+        *("--context-width", str(context_width)),
+        *("--max-context-tokens", str(max(16, context_rows * max(BATCHES)))),
     ]
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -100,9 +118,21 @@ class Case:
     """Steady-state PROPOSEs of ``batch`` requests asking for ``fmt``."""
 
     def __init__(
-        self, client: DraftClient, batch: int, topk: int, consume: bool
+        self,
+        client: DraftClient,
+        batch: int,
+        topk: int,
+        consume: bool,
+        context_rows: int = 0,
+        context_width: int = 8,
+        reference: torch.Tensor | None = None,
     ) -> None:
         self.client = client
+        # The table's rows the batch drafts from (anchor tokens 0..batch-1):
+        # what the reply must hold.
+        self.reference = None if reference is None else reference[:batch]
+        self.checked = False
+        self.context_rows = context_rows
         self.batch = batch
         self.fmt = LogitsFormat(VOCAB, topk)
         self.fields = self.fmt.request_fields()
@@ -120,14 +150,37 @@ class Case:
         self.anchors = np.arange(batch, dtype=np.int64) + 100
         self.proposal = Proposal(tuple(self.ids), np.arange(batch), self.anchors, K)
         self.samples: dict[str, list[float]] = {
-            key: [] for key in ("rtt", "server", "engine", "consume", "bytes")
+            key: []
+            for key in ("rtt", "server", "engine", "consume", "validate", "bytes")
         }
+        self.frames: list[Any] = []
+        self._rows = torch.randn(batch * context_rows, context_width).bfloat16()
         self._propose(self._wire(reset=True))
-        self._steady = self._wire(reset=False)
+        if not context_rows:
+            self._steady = self._wire(reset=False)
 
     def _wire(self, reset: bool) -> list[tuple[str, bool, int, int, int, int]]:
+        if self.context_rows:
+            # The verifier's steady PROPOSE carries each request's newly
+            # verified rows (plan.py): the anchors advance by them, and the
+            # positions [anchor - n, anchor) travel with their rows.
+            self.anchors = self.anchors + self.context_rows
+            self.proposal = Proposal(
+                tuple(self.ids), np.arange(self.batch), self.anchors, K
+            )
+            positions = np.concatenate(
+                [np.arange(a - self.context_rows, a) for a in self.anchors]
+            ).astype(np.int64)
+            self.frames = [positions, self._rows.view(torch.uint8).numpy()]
         return [
-            (rid, reset, int(anchor), 0, i, int(anchor))
+            (
+                rid,
+                reset,
+                int(anchor) - self.context_rows,
+                self.context_rows,
+                i,
+                int(anchor),
+            )
             for i, (rid, anchor) in enumerate(zip(self.ids, self.anchors))
         ]
 
@@ -137,9 +190,11 @@ class Case:
         """One PROPOSE as the verifier sends it (``plan.py``: the header
         formatted by ``encode_propose_request``)."""
         request = protocol.encode_propose_request(K, wire, self.fields)
-        return self.client.call_encoded(protocol.OP_PROPOSE, request)
+        return self.client.call_encoded(protocol.OP_PROPOSE, request, self.frames)
 
     def run(self, record: bool) -> None:
+        if self.context_rows:
+            self._steady = self._wire(reset=False)
         start = time.perf_counter()
         header, frames = self._propose(self._steady)
         received = time.perf_counter()
@@ -147,8 +202,20 @@ class Case:
         if self.extension is not None:
             self.extension.consume(meta, logits_frames, self.proposal)
         consumed = time.perf_counter()
+        # The wire checks need no vllm: every reply is validated (outside the
+        # round trip, as plan.py's), and once in the steady state its content
+        # is compared with the table's logits, so that no case is timed on
+        # a reply that is malformed or wrong.
+        decoded = decode_logits(
+            meta, logits_frames, self.fmt, self.anchors, K, MAX_MODEL_LEN
+        )
+        validated = time.perf_counter()
+        if record and not self.checked and self.reference is not None:
+            self._check(decoded)
+            self.checked = True
         if not record:
             return
+        self.samples["validate"].append(validated - consumed)
         timing = header["timing_ms"]
         reply_bytes = len(protocol.encode_header(header)) + sum(
             len(memoryview(f)) for f in frames
@@ -162,6 +229,23 @@ class Case:
             self.samples[key].append(value)
         if self.extension is not None:
             self.samples["consume"].append(consumed - received)
+
+    def _check(self, decoded: Any) -> None:
+        ref = self.reference
+        assert ref is not None
+        bits = torch.from_numpy(decoded.values.copy())
+        if decoded.ids is None:
+            if not torch.equal(bits, ref.view(torch.int16)):
+                raise RuntimeError(f"{self.name}: the reply is not the logits")
+            return
+        ids = torch.from_numpy(decoded.ids.copy()).long()
+        values = bits.view(torch.bfloat16).float()
+        wanted = ref.float().topk(self.fmt.topk, dim=-1).values
+        if not (
+            torch.equal(ref.gather(-1, ids).view(torch.int16), bits)
+            and torch.equal(values.sort(-1).values, wanted.sort(-1).values)
+        ):
+            raise RuntimeError(f"{self.name}: the reply is not the top-k logits")
 
     def summary(self) -> dict[str, Any]:
         def us(values: list[float]) -> dict[str, float]:
@@ -183,6 +267,7 @@ class Case:
             "engine_us": us(s["engine"]),
             "transport_us": us(transport),
             "consume_us": us(s["consume"]) if s["consume"] else None,
+            "validate_us": us(s["validate"]),
         }
 
 
@@ -242,6 +327,19 @@ def main() -> None:
         help="the server's busy poll after each reply (microseconds)",
     )
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--context-rows",
+        type=int,
+        default=0,
+        help="context rows per request in each PROPOSE (the verifier's steady "
+        "state sends its accepted tokens' rows: 1 to K + 1)",
+    )
+    parser.add_argument(
+        "--context-width",
+        type=int,
+        default=8,
+        help="bf16 values per context row (Kimi DFlash: 3 x 7168 = 21504)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -250,12 +348,25 @@ def main() -> None:
     with tempfile.NamedTemporaryFile(suffix=".pt") as table_file:
         torch.save(table, table_file.name)
         server = start_server(
-            table_file.name, address, args.device, args.server_busy_poll_us
+            table_file.name,
+            address,
+            args.device,
+            args.server_busy_poll_us,
+            args.context_width,
+            args.context_rows,
         )
     client = DraftClient(address, 60_000)
     try:
         cases = [
-            Case(client, batch, topk, not args.no_consume)
+            Case(
+                client,
+                batch,
+                topk,
+                not args.no_consume,
+                args.context_rows,
+                args.context_width,
+                table,
+            )
             for batch in BATCHES
             for topk in (0, *TOPKS)
         ]

@@ -44,6 +44,7 @@ def table_limits(
     max_speculative_tokens: int,
     max_model_len: int,
     max_requests: int | None = None,
+    max_context_tokens: int = 16,
 ) -> DraftLimits:
     """Bounds of a table server (default: as many retained requests as a
     batch)."""
@@ -51,7 +52,7 @@ def table_limits(
         max_requests=max_requests or max_batch_size,
         max_batch_size=max_batch_size,
         max_speculative_tokens=max_speculative_tokens,
-        max_context_tokens=16,
+        max_context_tokens=max_context_tokens,
         max_model_len=max_model_len,
         block_size=16,
         window_size=16,
@@ -71,6 +72,7 @@ class TableEngine(DraftEngine):
         limits: DraftLimits,
         table: torch.Tensor,
         device: torch.device | None = None,
+        context_width: int = CONTEXT_WIDTH,
     ) -> None:
         self.limits = limits
         self.device = device or torch.device("cpu")
@@ -79,8 +81,8 @@ class TableEngine(DraftEngine):
         self.spec = EngineSpec(
             method="dflash",
             vocab_size=table.shape[-1],
-            context_width=CONTEXT_WIDTH,
-            hidden_size=CONTEXT_WIDTH,
+            context_width=context_width,
+            hidden_size=context_width,
             supports_logits=True,
             query_kv_overhang=0,
         )
@@ -163,12 +165,18 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1 << 20)
     parser.add_argument("--device", default="cpu", help="where the logits live")
     parser.add_argument("--busy-poll-us", type=int, default=0)
+    parser.add_argument("--context-width", type=int, default=CONTEXT_WIDTH)
+    parser.add_argument("--max-context-tokens", type=int, default=16)
     args = parser.parse_args()
     table = torch.load(args.table)
     limits = table_limits(
-        args.max_batch_size, table.shape[1], args.max_model_len, args.max_requests
+        args.max_batch_size,
+        table.shape[1],
+        args.max_model_len,
+        args.max_requests,
+        args.max_context_tokens,
     )
-    engine = TableEngine(limits, table, torch.device(args.device))
+    engine = TableEngine(limits, table, torch.device(args.device), args.context_width)
     LoopbackServer(engine, args.address, args.busy_poll_us)
     print("serving", flush=True)
     threading.Event().wait()
