@@ -9,7 +9,8 @@ waits for ``/readyz`` and stops the process on ``stop()``. The process is
 forked from a warm process that has imported the entry module once (torch and
 vllm take seconds to import, per process); it then runs the module's ``main``
 with the same arguments, environment and working directory as ``command()``,
-which tests of the program's own start-up run as a program. ``RawClient``
+which tests of the program's own start-up and shut-down run instead
+(``as_program``). ``RawClient``
 sends arbitrary frames over a REQ socket and renews the socket after a
 timeout. ``propose_message`` builds a PROPOSE.
 """
@@ -190,8 +191,17 @@ def cli_args(options: dict[str, Any]) -> list[str]:
 class DraftServerProcess:
     """A reference-engine draft server process on loopback."""
 
-    def __init__(self, workdir: Path, address: str | None = None, **options: Any):
+    def __init__(
+        self,
+        workdir: Path,
+        address: str | None = None,
+        as_program: bool = False,
+        **options: Any,
+    ):
+        """``as_program``: run ``command()`` rather than fork a warm process
+        (for tests of the program's own start-up and shut-down)."""
         self.workdir = workdir
+        self.as_program = as_program
         workdir.mkdir(parents=True, exist_ok=True)
         self.address = address or f"ipc://{workdir}/draft.ipc"
         self.options = {**DEFAULT_OPTIONS, **options}
@@ -223,9 +233,16 @@ class DraftServerProcess:
             *self.arguments(),
         ]
 
-    def launch(self) -> WarmProcess:
-        """Start the process (warm), logging to ``log_path``; do not wait."""
-        proc = WarmProcess(_run_server, (self.arguments(),), self.log_path)
+    def launch(self) -> subprocess.Popen[bytes] | WarmProcess:
+        """Start the process, logging to ``log_path``; do not wait."""
+        proc: subprocess.Popen[bytes] | WarmProcess
+        if self.as_program:
+            with open(self.log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    self.command(), stdout=log, stderr=subprocess.STDOUT
+                )
+        else:
+            proc = WarmProcess(_run_server, (self.arguments(),), self.log_path)
         self.proc = proc
         return proc
 

@@ -94,10 +94,15 @@ def test_same_seed_gives_the_same_proposals_after_restart(own_server):
     assert after == before
 
 
-def test_sigterm_stops_the_server_cleanly(own_server):
-    code = own_server.stop()
-    own_server.start()
-    assert code == 0
+def test_sigterm_stops_the_program_cleanly_after_it_served(tmp_path):
+    server = DraftServerProcess(tmp_path, as_program=True).start()
+    client = RawClient(server.address)
+    first_proposal(client)
+    client.close()
+    code = server.stop()
+    log = server.log_tail()
+    assert code == 0, log
+    assert "Draft server stopped" in log and "Traceback" not in log
 
 
 def test_dspark_server_drafts_k_tokens_from_k_query_rows(draft_server_factory):
@@ -595,19 +600,21 @@ def test_a_stop_signal_during_the_imports_stops_the_server_cleanly(tmp_path, sig
 def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):
     # A draft large enough that loading takes a few seconds on CPU.
     server = DraftServerProcess(
-        tmp_path, hidden_size=1024, num_layers=16, vocab_size=32768, num_heads=8
+        tmp_path,
+        as_program=True,
+        hidden_size=1024,
+        num_layers=16,
+        vocab_size=32768,
+        num_heads=8,
     )
-    with open(server.log_path, "ab") as log_file:
-        server.proc = subprocess.Popen(
-            server.command(), stdout=log_file, stderr=subprocess.STDOUT
-        )
+    proc = server.launch()
     try:
         deadline = time.monotonic() + 120
         while server.http("/healthz")[0] != 200:
-            assert time.monotonic() < deadline and server.proc.poll() is None
+            assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.01)
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
     finally:
         server.stop()
     log = server.log_tail()
