@@ -156,8 +156,6 @@ class Case:
         self.frames: list[Any] = []
         self._rows = torch.randn(batch * context_rows, context_width).bfloat16()
         self._propose(self._wire(reset=True))
-        if not context_rows:
-            self._steady = self._wire(reset=False)
 
     def _wire(self, reset: bool) -> list[tuple[str, bool, int, int, int, int]]:
         if self.context_rows:
@@ -193,10 +191,9 @@ class Case:
         return self.client.call_encoded(protocol.OP_PROPOSE, request, self.frames)
 
     def run(self, record: bool) -> None:
-        if self.context_rows:
-            self._steady = self._wire(reset=False)
+        steady = self._wire(reset=False)
         start = time.perf_counter()
-        header, frames = self._propose(self._steady)
+        header, frames = self._propose(steady)
         received = time.perf_counter()
         ((meta, logits_frames),) = protocol.extension_frames(header, frames).values()
         if self.extension is not None:

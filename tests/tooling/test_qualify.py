@@ -83,16 +83,18 @@ def layer_3_row_with_upstream_test(syn: Synthetic, tmp_path: Path, test: str) ->
     return qualify_layer_3(syn, tmp_path, site0)
 
 
-def with_upstream_test(syn: Synthetic, tmp_path: Path, name: str, text: str) -> Path:
+def with_upstream_test(
+    syn: Synthetic, tmp_path: Path, name: str, text: str
+) -> tuple[Path, Path]:
     """An sdist with one more upstream test file ``name``, listed among layer
-    3's upstream tests."""
+    3's upstream tests, and its pristine install (``prepare``)."""
     files = {**UPSTREAM_FILES, name: text}
     sdist = make_sdist(tmp_path / "vllm-1.0-extra.tar.gz", files)
     patch = syn.root / "patches/0003-layer-3.patch"
     patch.write_text(
         patch.read_text().replace("Upstream-Tests:\n", f"Upstream-Tests:\n {name}\n")
     )
-    return sdist
+    return sdist, prepare(syn, tmp_path, sdist)
 
 
 def test_a_qualified_layer_leaves_no_build_output_behind(
@@ -112,8 +114,7 @@ def test_a_test_skipped_on_pristine_that_fails_on_the_stack_is_a_regression(
         "@pytest.mark.skipif(not hasattr(m, 'step_99'), reason='no step_99')\n"
         "def test_step_99():\n    assert m.step_99() == 99\n"
     )
-    sdist = with_upstream_test(filled, tmp_path, "tests/test_feature.py", text)
-    site0 = prepare(filled, tmp_path, sdist)
+    sdist, site0 = with_upstream_test(filled, tmp_path, "tests/test_feature.py", text)
     model = UPSTREAM_FILES["vllm/model.py"] + "def step_99():\n    return 0\n"
     change_layer_3(filled, {"vllm/model.py": model})
     filled.apply(sdist=sdist)
@@ -126,8 +127,7 @@ def test_an_upstream_test_file_that_runs_no_test_fails_its_row(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     text = "import pytest\n\n\n@pytest.mark.gpu\ndef test_kernel():\n    assert False\n"
-    sdist = with_upstream_test(filled, tmp_path, "tests/test_gpu_only.py", text)
-    site0 = prepare(filled, tmp_path, sdist)
+    sdist, site0 = with_upstream_test(filled, tmp_path, "tests/test_gpu_only.py", text)
     filled.apply(sdist=sdist)
     row = qualify_layer_3(filled, tmp_path, site0)
     assert not row.ok
@@ -145,8 +145,7 @@ def test_a_cached_baseline_is_not_reused_in_another_environment(
         "def test_env():\n    assert 'K3_BREAK' not in os.environ\n"
         "    assert step_2() == 2\n"
     )
-    sdist = with_upstream_test(filled, tmp_path, "tests/test_env.py", text)
-    site0 = prepare(filled, tmp_path, sdist)
+    sdist, site0 = with_upstream_test(filled, tmp_path, "tests/test_env.py", text)
     monkeypatch.setenv("K3_BREAK", "1")  # fails on pristine too: cached so
     filled.apply(sdist=sdist)
     assert qualify_layer_3(filled, tmp_path, site0).ok
@@ -185,10 +184,9 @@ def test_an_upstream_run_that_is_interrupted_fails(
 def hub_test_and_step_one_broken(syn: Synthetic, tmp_path: Path) -> Row:
     """Layer 3's row where an upstream file cannot be collected (pristine
     too) and layer 3 breaks the test of another."""
-    sdist = with_upstream_test(
+    sdist, site0 = with_upstream_test(
         syn, tmp_path, "tests/test_aaa_needs_hub.py", "import no_such_hub_module\n"
     )
-    site0 = prepare(syn, tmp_path, sdist)
     model = UPSTREAM_FILES["vllm/model.py"].replace("return 1\n", "return -1\n", 1)
     syn.amend(3, {"vllm/model.py": model})
     syn.take_back("layer 3 breaks step_1")
@@ -217,8 +215,7 @@ def test_an_upstream_file_that_cannot_be_collected_hides_no_regression_in_anothe
 def test_a_file_skipped_or_not_collected_on_pristine_and_layer_is_no_regression(
     filled: Synthetic, tmp_path: Path, text: str
 ) -> None:
-    sdist = with_upstream_test(filled, tmp_path, "tests/test_needs_cuda.py", text)
-    site0 = prepare(filled, tmp_path, sdist)
+    _, site0 = with_upstream_test(filled, tmp_path, "tests/test_needs_cuda.py", text)
     row = qualify_layer_3(filled, tmp_path, site0)
     assert row.ok, row.notes
 
@@ -501,8 +498,7 @@ def test_tests_the_stack_passed_are_left_out_of_the_pristine_run(
         "    @pytest.mark.parametrize('p', ['a/b', 'c::d', 'e[f]'])\n"
         "    def test_shape(self, p):\n        assert p\n"
     )
-    sdist = with_upstream_test(filled, tmp_path, "tests/test_shapes.py", text)
-    site0 = prepare(filled, tmp_path, sdist)
+    _, site0 = with_upstream_test(filled, tmp_path, "tests/test_shapes.py", text)
     row = qualify_layer_3(filled, tmp_path, site0)
     assert row.ok, row.notes
     assert row.upstream == "4 passed, 0 regressions, 0 not passing on pristine either"
