@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The production engine drafts what upstream's own DFlash/DSpark model code
+computes for the same checkpoint.
+
+Upstream's ``DFlashQwen3ForCausalLM`` / ``Qwen3DSparkForCausalLM`` are built
+on CPU from a real ``VllmConfig`` of the tiny checkpoints and loaded through
+their own ``load_weights``; the target's embedding and LM head are shared
+into them as upstream's speculators do. Every layer runs its native torch
+implementation (``custom_ops=["none"]``); what needs a GPU is replaced by
+its contract: the two fused ops of ``precompute_and_store_context_kv``
+(RMSNorm, with one weight row per layer for the grouped K norm, and in-place
+RoPE) by upstream's native implementations, and the attention backend by
+the attention it computes for one request's query block: non-causal over the
+context K/V stored by ``precompute_and_store_context_kv`` and the block's
+own K/V. A rebase that changes upstream's draft math fails here.
+"""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from toy_target import init_single_rank_world
+
+from vllm.k3_draft.engine import DraftLimits, ProposeBatch
+from vllm.k3_draft.production_engine import ProductionEngine
+
+LIMITS = DraftLimits(4, 2, 3, 256, 4096, 16, 32, 64)
+K = 3
+TARGET_HIDDEN = 16
+AUX_LAYERS = [1, 3, 5]
+VOCAB = 256
+MASK_TOKEN = VOCAB - 1
+# GQA (4 query heads over 2 KV heads), two layers.
+DRAFT = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 48,
+}
+
+
+def write_checkpoints(root: Path, method: str) -> tuple[Path, Path]:
+    """A draft with random weights in upstream's names and a target holding
+    the embedding and LM head (bf16), both with their config.json."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, layers = DRAFT["hidden_size"], DRAFT["num_hidden_layers"]
+    q_size = DRAFT["num_attention_heads"] * DRAFT["head_dim"]
+    kv_size = DRAFT["num_key_value_heads"] * DRAFT["head_dim"]
+    inter = DRAFT["intermediate_size"]
+
+    def rand(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    def norm(size: int) -> torch.Tensor:
+        return 1 + rand(size, scale=0.1)
+
+    tensors = {
+        "fc.weight": rand(hidden, TARGET_HIDDEN * len(AUX_LAYERS)),
+        "hidden_norm.weight": norm(hidden),
+        "norm.weight": norm(hidden),
+    }
+    for i in range(layers):
+        tensors |= {
+            f"layers.{i}.input_layernorm.weight": norm(hidden),
+            f"layers.{i}.post_attention_layernorm.weight": norm(hidden),
+            f"layers.{i}.self_attn.q_proj.weight": rand(q_size, hidden),
+            f"layers.{i}.self_attn.k_proj.weight": rand(kv_size, hidden),
+            f"layers.{i}.self_attn.v_proj.weight": rand(kv_size, hidden),
+            f"layers.{i}.self_attn.o_proj.weight": rand(hidden, q_size),
+            f"layers.{i}.self_attn.q_norm.weight": norm(DRAFT["head_dim"]),
+            f"layers.{i}.self_attn.k_norm.weight": norm(DRAFT["head_dim"]),
+            f"layers.{i}.mlp.gate_proj.weight": rand(inter, hidden),
+            f"layers.{i}.mlp.up_proj.weight": rand(inter, hidden),
+            f"layers.{i}.mlp.down_proj.weight": rand(hidden, inter),
+        }
+    config = {
+        "model_type": "qwen3",
+        **DRAFT,
+        "vocab_size": VOCAB,
+        "target_hidden_size": TARGET_HIDDEN,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+    }
+    if method == "dflash":
+        config["architectures"] = ["DFlashDraftModel"]
+        config["dflash_config"] = {
+            "mask_token_id": MASK_TOKEN,
+            "target_layer_ids": [i - 1 for i in AUX_LAYERS],
+        }
+    else:
+        config["architectures"] = ["Qwen3DSparkModel"]
+        config["target_layer_ids"] = [i - 1 for i in AUX_LAYERS]
+        config["mask_token_id"] = MASK_TOKEN
+        config["markov_rank"] = 8
+        tensors["markov_head.markov_w1.weight"] = rand(VOCAB, 8)
+        tensors["markov_head.markov_w2.weight"] = rand(VOCAB, 8)
+    draft, target = root / "draft", root / "target"
+    draft.mkdir()
+    target.mkdir()
+    save_file(
+        {n: t.contiguous() for n, t in tensors.items()}, draft / "model.safetensors"
+    )
+    (draft / "config.json").write_text(json.dumps(config))
+    save_file(
+        {
+            "model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0).bfloat16(),
+            "lm_head.weight": rand(VOCAB, hidden).bfloat16(),
+        },
+        target / "model.safetensors",
+    )
+    target_config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": TARGET_HIDDEN,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 32,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+    }
+    (target / "config.json").write_text(json.dumps(target_config))
+    return draft, target
+
+
+class OneRequestAttention(torch.nn.Module):
+    """Stands in for ``Attention``: keeps the context K/V that
+    ``precompute_and_store_context_kv`` writes (slot = position of one
+    request) and attends a query block to it and to itself, non-causally."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        **_: object,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache = None
+        self.impl = SimpleNamespace(do_kv_cache_update=self._store)
+        self.context: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _store(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        assert torch.equal(slot_mapping, torch.arange(len(slot_mapping)))
+        self.context = (key.clone(), value.clone())
+
+    def forward(self, q, k, v):
+        assert self.context is not None
+        tokens = q.shape[0]
+        heads = (tokens, self.num_kv_heads, self.head_size)
+        keys = torch.cat((self.context[0], k.view(heads)))
+        values = torch.cat((self.context[1], v.view(heads)))
+        out = F.scaled_dot_product_attention(
+            q.view(tokens, self.num_heads, self.head_size).transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1).reshape(tokens, -1)
+
+
+def _rms_norm(out, x, weight, eps) -> None:
+    """``ops.rms_norm``: a 2-D weight holds one row per outermost index."""
+    from vllm import ir
+
+    native = ir.ops.rms_norm.impls["native"].impl_fn
+    if weight.dim() == 1:
+        out.copy_(native(x, weight, eps))
+    else:
+        for i in range(weight.shape[0]):
+            out[i].copy_(native(x[i], weight[i], eps))
+
+
+def _rotary_embedding(positions, query, key, head_size, cache, is_neox) -> None:
+    """``ops.rotary_embedding``: in place."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    q, k = RotaryEmbedding.forward_static(
+        positions, query, key, head_size, head_size, cache, is_neox
+    )
+    query.copy_(q)
+    if key is not None:
+        key.copy_(k)
+
+
+@pytest.fixture
+def upstream_model(tmp_path, monkeypatch):
+    """``make(method)`` -> (draft dir, target dir, upstream model)."""
+    from vllm.config import (
+        CompilationConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+    from vllm.model_executor.models import qwen3_dflash
+
+    monkeypatch.setattr(qwen3_dflash, "Attention", OneRequestAttention)
+    monkeypatch.setattr(
+        qwen3_dflash,
+        "ops",
+        SimpleNamespace(rms_norm=_rms_norm, rotary_embedding=_rotary_embedding),
+    )
+    built = []
+
+    def make(method: str):
+        from safetensors.torch import load_file
+
+        from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+        draft, target = write_checkpoints(tmp_path, method)
+        model_config = ModelConfig(
+            model=str(target),
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            dtype="float32",
+            enforce_eager=True,
+        )
+        config = VllmConfig(
+            model_config=model_config,
+            speculative_config=SpeculativeConfig(
+                method=method,
+                model=str(draft),
+                num_speculative_tokens=K,
+                target_model_config=model_config,
+                target_parallel_config=ParallelConfig(),
+            ),
+            device_config=DeviceConfig(device="cpu"),
+            compilation_config=CompilationConfig(custom_ops=["none"]),
+        )
+        init_single_rank_world(config)
+        built.append(config)
+        model_cls = (
+            qwen3_dflash.DFlashQwen3ForCausalLM
+            if method == "dflash"
+            else Qwen3DSparkForCausalLM
+        )
+        with set_current_vllm_config(config):
+            model = model_cls(vllm_config=config)
+            model.load_weights(load_file(draft / "model.safetensors").items())
+        # The target's heads, shared as upstream's speculators share them.
+        heads = load_file(target / "model.safetensors")
+        model.model.embed_tokens.weight.data.copy_(heads["model.embed_tokens.weight"])
+        model.lm_head.weight.data.copy_(heads["lm_head.weight"])
+        return draft, target, model
+
+    yield make
+    if built:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@torch.no_grad()
+def upstream_logits(
+    model, method: str, rows: torch.Tensor, anchor: int
+) -> torch.Tensor:
+    """Greedy draft logits ``[K, V]`` of one request whose context is
+    ``rows`` (positions 0..n-1) and whose anchor sits at position n, laid out
+    as upstream's speculators lay the query block out."""
+    n = rows.shape[0]
+    combined = model.combine_hidden_states(rows.float())
+    model.precompute_and_store_context_kv(combined, torch.arange(n), torch.arange(n))
+    # DFlash: anchor + K masks, drafts at the masks. DSpark (anchor as the
+    # first prediction): anchor + K-1 masks, a draft at every query row.
+    query = K + 1 if method == "dflash" else K
+    ids = torch.tensor([anchor] + [MASK_TOKEN] * (query - 1))
+    hidden = model(ids, n + torch.arange(query))
+    if method == "dflash":
+        return model.compute_logits(hidden[1:])
+    base = model.compute_draft_logits(hidden)
+    prev = torch.tensor([anchor])
+    steps = []
+    for i in range(K):
+        logits = base[i : i + 1] + model.markov_bias(model.markov_embed(prev))
+        prev = logits.argmax(-1)
+        steps.append(logits[0])
+    return torch.stack(steps)
+
+
+def context(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, TARGET_HIDDEN * len(AUX_LAYERS), generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_production_engine_drafts_as_upstreams_model(upstream_model, method):
+    draft, target, model = upstream_model(method)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    engine.load()
+    # Two requests in two PROPOSEs: the second sends each request's new rows
+    # only, so the drafts depend on the context the engine kept.
+    first = {0: context(20, 1), 1: context(9, 2)}
+    later = {0: context(5, 3), 1: context(2, 4)}
+    anchors = {0: [40, 7], 1: [123, 200]}
+    for step, sent in enumerate((first, later)):
+        start = [0 if step == 0 else first[r].shape[0] for r in (0, 1)]
+        counts = [sent[r].shape[0] for r in (0, 1)]
+        ends = [s + c for s, c in zip(start, counts)]
+        batch = ProposeBatch(
+            K,
+            [0, 1],
+            [0, 0],
+            ends,
+            [anchors[r][step] for r in (0, 1)],
+            counts,
+            torch.cat([torch.arange(s, e) for s, e in zip(start, ends)]),
+            torch.cat([sent[0], sent[1]]),
+            want_logits=True,
+        )
+        logits = engine.propose(batch).logits
+        assert logits is not None
+        for r in (0, 1):
+            rows = torch.cat([first[r], later[r]]) if step else first[r]
+            expected = upstream_logits(model, method, rows, anchors[r][step])
+            torch.testing.assert_close(logits[r], expected, rtol=1e-5, atol=1e-5)
+            assert torch.equal(logits[r].argmax(-1), expected.argmax(-1))
