@@ -262,7 +262,6 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
     [
         ({"attention_bias": True}, "attention biases"),
         ({"dflash_config": {"causal": True, "target_layer_ids": [0]}}, "causal"),
-        ({"logit_scale": 0.5}, "logit_scale"),
         ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "RoPE scaling"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
@@ -297,11 +296,53 @@ def test_unsupported_checkpoints_are_refused_with_the_reason(
         DraftCheckpoint.from_dir(draft)
 
 
-def test_a_draft_with_a_mask_embedding_file_is_refused(tmp_path):
-    draft, _ = write_checkpoints(tmp_path, "dflash")
-    torch.save(torch.zeros(16), draft / "mask_embedding.pt")
-    with pytest.raises(CheckpointError, match="mask_embedding.pt"):
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ({"logit_scale": 0}, "logit_scale must be a positive finite number"),
+        ({"logit_scale": None}, "logit_scale must be a positive finite number"),
+        (
+            {
+                "dflash_config": {
+                    "attention_value_scale": -1,
+                    "mask_token_id": 255,
+                    "target_layer_ids": [0],
+                }
+            },
+            "attention_value_scale must be a positive finite number",
+        ),
+        ({"is_neox_style": "no"}, "is_neox_style must be true or false"),
+    ],
+)
+def test_malformed_scales_and_rope_style_are_refused(tmp_path, override, reason):
+    draft, _ = write_checkpoints(tmp_path, "dflash", **override)
+    with pytest.raises(CheckpointError, match=reason):
         DraftCheckpoint.from_dir(draft)
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (b"not a pickle", "cannot read"),
+        ({"embedding": torch.zeros(16), "mask_token_id": 3}, "is for mask token 3"),
+        ({"mask_token_id": 255}, "holds no floating-point embedding of 16"),
+        (torch.zeros(15), "holds no floating-point embedding of 16"),
+        (torch.zeros(16, dtype=torch.int64), "holds no floating-point embedding"),
+    ],
+)
+def test_a_bad_mask_embedding_file_is_refused_before_loading(tmp_path, content, reason):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    path = draft / "mask_embedding.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match=reason):
+        engine.load()
+    assert not hasattr(engine, "w")
 
 
 def test_context_width_is_the_target_hidden_size_per_aux_layer(tmp_path):

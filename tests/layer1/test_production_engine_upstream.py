@@ -19,6 +19,7 @@ own K/V. A rebase that changes upstream's draft math fails here.
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -46,9 +47,21 @@ DRAFT = {
 }
 
 
-def write_checkpoints(root: Path, method: str) -> tuple[Path, Path]:
+# Checkpoint variants upstream serves (config keys; "mask_embedding" writes
+# mask_embedding.pt).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "logit_scale": {"logit_scale": 0.7},
+    "value_scale": {"dflash_config": {"attention_value_scale": 1.7}},
+    "interleaved_rope": {"is_neox_style": False},
+    "mask_embedding": {"mask_embedding": True},
+}
+
+
+def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path]:
     """A draft with random weights in upstream's names and a target holding
-    the embedding and LM head (bf16), both with their config.json."""
+    the embedding and LM head (bf16), both with their config.json;
+    ``variant`` names an entry of ``VARIANTS``."""
     gen = torch.Generator().manual_seed(11)
     hidden, layers = DRAFT["hidden_size"], DRAFT["num_hidden_layers"]
     q_size = DRAFT["num_attention_heads"] * DRAFT["head_dim"]
@@ -80,7 +93,7 @@ def write_checkpoints(root: Path, method: str) -> tuple[Path, Path]:
             f"layers.{i}.mlp.up_proj.weight": rand(inter, hidden),
             f"layers.{i}.mlp.down_proj.weight": rand(hidden, inter),
         }
-    config = {
+    config: dict[str, Any] = {
         "model_type": "qwen3",
         **DRAFT,
         "vocab_size": VOCAB,
@@ -102,9 +115,20 @@ def write_checkpoints(root: Path, method: str) -> tuple[Path, Path]:
         config["markov_rank"] = 8
         tensors["markov_head.markov_w1.weight"] = rand(VOCAB, 8)
         tensors["markov_head.markov_w2.weight"] = rand(VOCAB, 8)
+    overrides = dict(VARIANTS[variant])
+    if "dflash_config" in overrides:
+        config["dflash_config"] = {
+            **config.get("dflash_config", {}),
+            **overrides.pop("dflash_config"),
+        }
     draft, target = root / "draft", root / "target"
     draft.mkdir()
     target.mkdir()
+    if overrides.pop("mask_embedding", False):
+        # The dict form upstream accepts (DSpark ignores the file).
+        embedding = {"embedding": rand(hidden, scale=1.0), "mask_token_id": MASK_TOKEN}
+        torch.save(embedding, draft / "mask_embedding.pt")
+    config |= overrides
     save_file(
         {n: t.contiguous() for n, t in tensors.items()}, draft / "model.safetensors"
     )
@@ -200,7 +224,8 @@ def _rotary_embedding(positions, query, key, head_size, cache, is_neox) -> None:
 
 @pytest.fixture
 def upstream_model(tmp_path, monkeypatch):
-    """``make(method)`` -> (draft dir, target dir, upstream model)."""
+    """``make(method, variant)`` -> (draft dir, target dir, upstream
+    model)."""
     from vllm.config import (
         CompilationConfig,
         DeviceConfig,
@@ -224,12 +249,12 @@ def upstream_model(tmp_path, monkeypatch):
     )
     built = []
 
-    def make(method: str):
+    def make(method: str, variant: str):
         from safetensors.torch import load_file
 
         from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-        draft, target = write_checkpoints(tmp_path, method)
+        draft, target = write_checkpoints(tmp_path, method, variant)
         model_config = ModelConfig(
             model=str(target),
             skip_tokenizer_init=True,
@@ -303,9 +328,10 @@ def context(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, TARGET_HIDDEN * len(AUX_LAYERS), generator=gen).bfloat16()
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_production_engine_drafts_as_upstreams_model(upstream_model, method):
-    draft, target, model = upstream_model(method)
+def test_production_engine_drafts_as_upstreams_model(upstream_model, method, variant):
+    draft, target, model = upstream_model(method, variant)
     engine = ProductionEngine.from_checkpoints(
         LIMITS, str(draft), str(target), torch.device("cpu")
     )

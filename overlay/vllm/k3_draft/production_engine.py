@@ -13,9 +13,11 @@ checkpoint through its safetensors index, as bf16; every file either
 checkpoint names must resolve to a path under that checkpoint's root.
 
 Supported: non-causal full attention over the window (the upstream default),
-neox RoPE without scaling, no biases, full draft vocabulary, DSpark with
-``sample_from_anchor`` and a vanilla Markov head. Other variants are refused
-with the reason at start-up rather than served wrongly.
+neox or interleaved RoPE without scaling, no biases, full draft vocabulary,
+``logit_scale``, DFlash's ``attention_value_scale`` and separate mask
+embedding (``mask_embedding.pt``), DSpark with ``sample_from_anchor`` and a
+vanilla Markov head. Other variants are refused with the reason at start-up
+rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,7 @@ logger = init_logger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
 _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -243,17 +247,11 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         reasons.append("causal or sliding-window draft attention")
     if _has_sliding_layers(config):
         reasons.append("sliding-window layers")
-    if dflash.get("attention_value_scale") is not None:
-        reasons.append("attention_value_scale")
     if dflash.get("attention_sink_bias") or config.get("add_swa_attention_sink_bias"):
         reasons.append("attention sinks")
-    if config.get("logit_scale", 1.0) != 1.0:
-        reasons.append("logit_scale")
     draft_vocab = config.get("draft_vocab_size")
     if draft_vocab is not None and draft_vocab != config.get("vocab_size"):
         reasons.append("a reduced draft vocabulary")
-    if not config.get("is_neox_style", True):
-        reasons.append("interleaved RoPE")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         reasons.append("RoPE scaling")
@@ -313,15 +311,27 @@ def _config_float(
     return float(value)
 
 
+def _config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(
+            f"config.json: {key} must be true or false, not {value!r}"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class DraftCheckpoint:
-    """A draft checkpoint's architecture and the aux layers it consumes."""
+    """A draft checkpoint's architecture, the aux layers it consumes and the
+    scales upstream applies to its logits and attention values."""
 
     root: Path
     architecture: str
     shape: DraftShape
     aux_layer_ids: tuple[int, ...]
     target_hidden_size: int
+    logit_scale: float = 1.0
+    value_scale: float = 1.0
 
     @classmethod
     def from_dir(cls, root: str | os.PathLike[str]) -> DraftCheckpoint:
@@ -365,8 +375,6 @@ class DraftCheckpoint:
             )
         method = DRAFT_ARCHITECTURES[architecture]
         _refuse_unsupported(config)
-        if (path / "mask_embedding.pt").exists():
-            raise CheckpointError("unsupported draft checkpoint: mask_embedding.pt")
         if method == "dspark" and (
             not config.get("sample_from_anchor", True)
             or config.get("markov_head_type", "vanilla") != "vanilla"
@@ -404,8 +412,58 @@ class DraftCheckpoint:
             markov_rank=_config_int(config, "markov_rank") if method == "dspark" else 0,
             rope_theta=_config_float(theta, "rope_theta"),
             rms_norm_eps=_config_float(config, "rms_norm_eps", 1e-6),
+            neox_rope=_config_bool(config, "is_neox_style", True),
         )
-        return cls(path, architecture, shape, tuple(aux_layers), target_hidden)
+        # Upstream's decoder layer reads the value scale from dflash_config
+        # (DSpark's too); null is no scale.
+        dflash = config.get("dflash_config") or {}
+        value_scale = (
+            _config_float(dflash, "attention_value_scale")
+            if dflash.get("attention_value_scale") is not None
+            else 1.0
+        )
+        return cls(
+            path,
+            architecture,
+            shape,
+            tuple(aux_layers),
+            target_hidden,
+            logit_scale=_config_float(config, "logit_scale", 1.0),
+            value_scale=value_scale,
+        )
+
+    def mask_embedding(self) -> torch.Tensor | None:
+        """DFlash's separately trained mask embedding (``mask_embedding.pt``,
+        a tensor or ``{"embedding", "mask_token_id"}``), flat; None without
+        the file. DSpark masks through the vocabulary row, as upstream."""
+        if self.shape.method != "dflash":
+            return None
+        if not (self.root / MASK_EMBEDDING_FILE).exists():
+            return None
+        path = confined_path(self.root, MASK_EMBEDDING_FILE)
+        with _reading(path):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+                raise CheckpointError(f"cannot read {path}: {exc}") from None
+        mask_token_id = self.shape.mask_token_id
+        if isinstance(state, dict):
+            if state.get("mask_token_id", mask_token_id) != mask_token_id:
+                raise CheckpointError(
+                    f"{path} is for mask token {state['mask_token_id']!r}, "
+                    f"the config's is {mask_token_id}"
+                )
+            state = state.get("embedding")
+        if (
+            not isinstance(state, torch.Tensor)
+            or not state.is_floating_point()
+            or state.numel() != self.shape.hidden_size
+        ):
+            raise CheckpointError(
+                f"{path} holds no floating-point embedding of "
+                f"{self.shape.hidden_size} values"
+            )
+        return state.reshape(-1)
 
 
 def _engine_name(checkpoint_name: str, num_layers: int) -> tuple[str, int] | None:
@@ -443,6 +501,22 @@ class ProductionEngine(TorchDraftEngine):
         super().__init__(limits, draft.shape, device, enable_cuda_graph)
         self.draft = draft
         self.target_root = Path(target_root).resolve(strict=True)
+
+    def load(self) -> None:
+        # Read first: a bad file fails before any device memory is taken.
+        mask = self.draft.mask_embedding()
+        super().load()
+        w, draft = self.w, self.draft
+        if mask is not None:
+            w["embed"][self.shape.mask_token_id] = mask
+        # Upstream scales V after its projection and every logit (the Markov
+        # bias's too): the same as scaling these weights.
+        if draft.value_scale != 1.0:
+            w["wv"].mul_(draft.value_scale)
+        if draft.logit_scale != 1.0:
+            for name in ("lm_head", "markov_w2"):
+                if name in w:
+                    w[name].mul_(draft.logit_scale)
 
     @classmethod
     def from_checkpoints(

@@ -53,7 +53,7 @@ _MAX_NUMEL = 2**63 - 1
 @dataclass(frozen=True)
 class DraftShape:
     """Architecture of a Qwen3-style DFlash/DSpark draft as the torch engine
-    runs it (non-causal query block, neox RoPE, no biases)."""
+    runs it (non-causal query block, no biases)."""
 
     method: str
     vocab_size: int
@@ -69,6 +69,8 @@ class DraftShape:
     markov_rank: int = 0
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # Neox RoPE (rotated halves); False: interleaved (rotated pairs).
+    neox_rope: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "dspark"):
@@ -168,9 +170,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Neox rotary embedding of ``x`` ``[..., heads, head_dim]`` at
-    ``positions`` ``[...]``."""
+def _rope(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, neox: bool = True
+) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[..., heads, head_dim]`` at ``positions``
+    ``[...]``: neox (rotated halves) or interleaved (rotated pairs)."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (
         -torch.arange(half, device=x.device, dtype=torch.float32) / half
@@ -178,8 +182,11 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     angles = positions.float().unsqueeze(-1) * inv_freq
     cos = angles.cos().unsqueeze(-2).to(x.dtype)
     sin = angles.sin().unsqueeze(-2).to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if neox:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
 class TorchDraftEngine(DraftEngine):
@@ -250,8 +257,9 @@ class TorchDraftEngine(DraftEngine):
         expected = shape.weight_shapes()
         if {name: tuple(t.shape) for name, t in weights.items()} != expected:
             raise ValueError("draft weights do not match the draft shape")
+        # Copies: the engine owns its weights (a subclass may adjust them).
         self.w = {
-            name: value.to(device=self.device, dtype=self.dtype)
+            name: value.to(device=self.device, dtype=self.dtype, copy=True)
             for name, value in weights.items()
         }
         # [layer, K/V, flat cache position, kv head, dim]; layout: kv_slots.
@@ -329,7 +337,7 @@ class TorchDraftEngine(DraftEngine):
         return _rms_norm(x, weight, self.shape.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _rope(x, positions, self.shape.rope_theta)
+        return _rope(x, positions, self.shape.rope_theta, self.shape.neox_rope)
 
     def _combine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(self.dtype) @ self.w["fc"].T
