@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_remote_rpc import ROWS_PER_REQUEST, WIDTH, K, free_port, start_server  # noqa: E402
+from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.k3_draft.client import DraftClient, ServerRequirements  # noqa: E402
 from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest  # noqa: E402
@@ -114,11 +115,13 @@ def measure(plan: RemotePlan, timed: _TimedSocket, batch: int, kept: int, args) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--iters", type=positive_int, default=300)
+    parser.add_argument("--warmup", type=non_negative_int, default=30)
     parser.add_argument("--device", default="cpu", help="the server's engine device")
     parser.add_argument("--enable-cuda-graph", action="store_true")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--out", type=output_file, help="write the results as JSON here"
+    )
     args = parser.parse_args()
     address = f"tcp://127.0.0.1:{free_port()}"
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_remote_rpc import ENGINE_TIMINGS, ROWS_PER_REQUEST, WIDTH, K
+from cli_types import output_file, positive_int
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft.client import DraftClient, ServerRequirements
@@ -366,8 +367,8 @@ def run_cell(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--gate-iters", type=int, default=2000)
+    parser.add_argument("--steps", type=positive_int, default=60)
+    parser.add_argument("--gate-iters", type=positive_int, default=2000)
     parser.add_argument("--t-ms", type=float, nargs="+", default=[2.0, 10.0])
     parser.add_argument("--h-ms", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--l-ms", type=float, nargs="+", default=[1.0, 4.0])
@@ -379,7 +380,7 @@ def main() -> None:
         help="interpreter switch intervals to run the grid at",
     )
     parser.add_argument("--gate", type=Path, default=GATE_PATH)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_deferred_resolve needs a CUDA GPU")

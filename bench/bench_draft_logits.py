@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient
@@ -309,8 +310,8 @@ def acceptance(seed: int = 0) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--iters", type=positive_int, default=200)
+    parser.add_argument("--warmup", type=non_negative_int, default=20)
     parser.add_argument("--device", default="cpu", help="the draft logits' device")
     parser.add_argument(
         "--no-consume",
@@ -323,7 +324,9 @@ def main() -> None:
         default=0,
         help="the server's busy poll after each reply (microseconds)",
     )
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--out", type=output_file, help="write the results as JSON here"
+    )
     parser.add_argument(
         "--context-rows",
         type=int,

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import zmq
 from bench_remote_rpc import Case, free_port, start_server
+from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.k3_draft.protocol import TIMING_FIELDS
 
@@ -94,9 +95,11 @@ def _save_log(args: argparse.Namespace, graphs: bool, text: bytes) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--iters", type=positive_int, default=200)
+    parser.add_argument("--warmup", type=non_negative_int, default=20)
+    parser.add_argument(
+        "--out", type=output_file, help="write the results as JSON here"
+    )
     parser.add_argument("--log-dir", help="keep the server logs here")
     args = parser.parse_args()
     results = {"eager": run_mode(args, False), "graph": run_mode(args, True)}

@@ -42,6 +42,7 @@ import triton.runtime.errors
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layer5"))
+from cli_types import output_file
 from k3_standalone import (  # noqa: E402
     load_fused_verify,
     load_upstream_decode,
@@ -301,7 +302,7 @@ def _table(rows: list[dict], copy_gbps: float, matmul_tflops: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--upstream-kernel", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=output_file, required=True)
     parser.add_argument(
         "--sweep", action="store_true", help="also time tilings on target cases"
     )

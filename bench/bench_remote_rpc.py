@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.k3_draft import protocol
 
@@ -237,8 +238,8 @@ def measure(args, server, raw, name, next_frames) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--iters", type=positive_int, default=2000)
+    parser.add_argument("--warmup", type=non_negative_int, default=200)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--enable-cuda-graph", action="store_true")
     parser.add_argument(
@@ -247,7 +248,9 @@ def main() -> None:
         default=0,
         help="the server's busy poll after each reply (microseconds)",
     )
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--out", type=output_file, help="write the results as JSON here"
+    )
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_echo:
@@ -257,9 +260,19 @@ def main() -> None:
     raw_address = f"tcp://127.0.0.1:{free_port()}"
     echo = subprocess.Popen([sys.executable, __file__, "--raw-echo", raw_address])
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
-    proc = start_server(
-        args, server_address, free_port(), log, busy_poll_us=args.server_busy_poll_us
-    )
+    try:
+        proc = start_server(
+            args,
+            server_address,
+            free_port(),
+            log,
+            busy_poll_us=args.server_busy_poll_us,
+        )
+    except BaseException:
+        # The echo would outlive this process (and hold its output pipe).
+        echo.terminate()
+        echo.wait()
+        raise
     ctx = zmq.Context()
     sockets = []
     for address in (server_address, raw_address):

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_remote_rpc import SMALL_MODEL, WIDTH, Case
+from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.entrypoints import k3_dspark_standalone as standalone
 from vllm.k3_draft import server as server_module
@@ -50,11 +51,13 @@ def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--batch", type=int, choices=range(1, 9), default=1)
+    parser.add_argument("--iters", type=positive_int, default=500)
+    parser.add_argument("--warmup", type=non_negative_int, default=100)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", help="write the p50 per phase as JSON here")
+    parser.add_argument(
+        "--out", type=output_file, help="write the p50 per phase as JSON here"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     server_args = standalone.parse_args(

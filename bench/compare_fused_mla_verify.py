@@ -38,6 +38,7 @@ from bench_fused_mla_verify import (
     fused_launcher,
     measure_copy_gbps,
 )
+from cli_types import output_file, positive_int
 from k3_standalone import load_module
 
 # (batch, context, KV dtype, query_len, heads)
@@ -59,8 +60,8 @@ def main() -> None:
     parser.add_argument(
         "variants", nargs="+", help="NAME=PATH, the first is the reference"
     )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--out", type=output_file, required=True)
     args = parser.parse_args()
     modules: dict[str, ModuleType] = {}
     for spec in args.variants:
