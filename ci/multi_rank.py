@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -1016,10 +1017,15 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=300, help="seconds per world size"
     )
     opts = parser.parse_args(argv)
-    os.environ.update(NVLS_ENV)
-    sizes = [int(s) for s in opts.world_sizes.split(",") if s.strip()]
+    if not 0 < opts.timeout < math.inf:
+        parser.error(f"--timeout {opts.timeout}: give a positive number of seconds")
+    try:
+        sizes = [int(s) for s in opts.world_sizes.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
     if not sizes or min(sizes) < 1:
         parser.error(f"--world-sizes {opts.world_sizes!r}: give sizes of at least 1")
+    os.environ.update(NVLS_ENV)
     os.environ["PYTHONPATH"] = _python_path_env().get("PYTHONPATH", "")
     sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
     import torch

@@ -406,3 +406,21 @@ def test_drafts_that_differ_on_rank_one_fail_the_tp_broadcast_check(
     check = result["checks"]["tp_broadcast"]
     assert check["status"] == "FAIL"
     assert "ranks differ" in check["summary"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world-sizes", "abc"], "--world-sizes 'abc': give sizes of at least 1"),
+        (["--world-sizes", "0"], "--world-sizes '0': give sizes of at least 1"),
+        (["--timeout", "-1"], "--timeout -1.0: give a positive number of seconds"),
+        (["--timeout", "nan"], "--timeout nan: give a positive number of seconds"),
+    ],
+)
+def test_bad_arguments_are_usage_errors_before_any_rank_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _module().main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
