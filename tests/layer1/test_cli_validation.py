@@ -141,7 +141,7 @@ def test_window_must_be_a_multiple_of_the_block_size(window, capsys):
 
 def test_retained_requests_must_cover_max_sequences(capsys):
     err = refused(["--max-requests", "4", "--max-num-seqs", "8"], capsys)
-    assert "below max_batch_size" in err
+    assert "--max-requests 4 (retained requests) is below --max-num-seqs 8" in err
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "-1"])
@@ -150,7 +150,8 @@ def test_status_port_must_be_in_range(port, capsys):
 
 
 def test_prefix_cache_must_hold_a_window(capsys):
-    assert "below window_size" in refused(["--prefix-cache-tokens", "32"], capsys)
+    err = refused(["--prefix-cache-tokens", "32"], capsys)
+    assert "--prefix-cache-tokens 32 is below --window-size 64" in err
 
 
 def test_cuda_graphs_need_a_cuda_device(capsys):
@@ -399,18 +400,28 @@ def test_memory_limit_above_the_free_memory_does_not_pass_a_plan_that_cannot_fit
         check_memory_plan(engine, limit_gib)
 
 
-def test_a_status_host_the_resolver_cannot_encode_is_refused_in_one_line(caplog):
-    args = parse_args(
-        BASE
-        + ["--status-port", str(free_tcp_port()), "--address", "inproc://never"]
-        + ["--status-host", "host..example"]
-    )
-    with caplog.at_level(logging.ERROR):
-        assert run(args, threading.Event()) == 1
+@pytest.mark.parametrize("host", ["host..example", "999.1.1.1"])
+def test_a_status_host_that_does_not_resolve_is_a_usage_error(host, capsys):
+    err = refused(["--status-host", host], capsys)
+    assert f"argument --status-host: cannot resolve {host!r}" in err
+
+
+def test_a_status_port_in_use_is_refused_in_one_line_before_loading(caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = parse_args(
+            BASE + ["--status-port", str(port), "--address", "inproc://never"]
+        )
+        with caplog.at_level(logging.INFO):
+            assert run(args, threading.Event()) == 1
     (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert record.getMessage().startswith(
-        "Refusing to serve: cannot serve status on host..example port "
+        f"Refusing to serve: cannot serve status on 127.0.0.1 port {port}: "
     )
+    # Nothing was planned or loaded.
+    assert not [r for r in caplog.records if "Draft memory plan" in r.getMessage()]
 
 
 def test_server_that_cannot_fit_exits_before_serving(caplog):

@@ -26,7 +26,9 @@ import contextlib
 import gc
 import math
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -328,6 +330,20 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# DraftLimits fields -> the flags that set them, for its refusals.
+_LIMIT_FLAGS = {
+    "max_requests": "--max-requests",
+    "max_batch_size": "--max-num-seqs",
+    "max_speculative_tokens": "--max-speculative-tokens",
+    "max_context_tokens": "--max-context-tokens",
+    "max_model_len": "--max-model-len",
+    "block_size": "--block-size",
+    "window_size": "--window-size",
+    "prefix_cache_tokens": "--prefix-cache-tokens",
+}
+_LIMIT_FIELD = re.compile(r"\b(" + "|".join(_LIMIT_FLAGS) + r")\b")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate; any invalid value is a usage error (exit 2)."""
     parser = make_parser()
@@ -346,7 +362,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             prefix_cache_tokens=args.prefix_cache_tokens,
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(_LIMIT_FIELD.sub(lambda m: _LIMIT_FLAGS[m[1]], str(exc)))
+    try:
+        socket.getaddrinfo(args.status_host, args.status_port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        parser.error(
+            f"argument --status-host: cannot resolve {args.status_host!r}: {exc}"
+        )
     if (args.curve_secret_key is None) != (args.curve_authorized_keys is None):
         parser.error("--curve-secret-key and --curve-authorized-keys go together")
     args.curve = None
