@@ -30,7 +30,8 @@ from toy_target import init_single_rank_world
 from vllm.k3_draft.engine import DraftLimits, ProposeBatch
 from vllm.k3_draft.production_engine import ProductionEngine
 
-LIMITS = DraftLimits(4, 2, 3, 256, 4096, 16, 32, 64)
+# Up to 4 requests a batch: with CUDA graphs, a batch of 3 runs padded to 4.
+LIMITS = DraftLimits(4, 4, 3, 256, 4096, 16, 32, 64)
 K = 3
 TARGET_HIDDEN = 16
 AUX_LAYERS = [1, 3, 5]
@@ -398,29 +399,30 @@ def test_production_engine_drafts_as_upstreams_model(
     )
     engine.load()
     engine.capture_cuda_graphs()
-    # Two requests in two PROPOSEs: the second sends each request's new rows
-    # only, so the drafts depend on the context the engine kept.
-    first = {0: context(20, 1), 1: context(9, 2)}
-    later = {0: context(5, 3), 1: context(2, 4)}
-    anchors = {0: [40, 7], 1: [123, 200]}
+    # Three requests in two PROPOSEs: the second sends each request's new
+    # rows only, so the drafts depend on the context the engine kept.
+    first = [context(20, 1), context(9, 2), context(31, 5)]
+    later = [context(5, 3), context(2, 4), context(1, 6)]
+    anchors = [[40, 7], [123, 200], [0, 254]]
+    requests = range(len(first))
     for step, sent in enumerate((first, later)):
-        start = [0 if step == 0 else first[r].shape[0] for r in (0, 1)]
-        counts = [sent[r].shape[0] for r in (0, 1)]
+        start = [0 if step == 0 else first[r].shape[0] for r in requests]
+        counts = [sent[r].shape[0] for r in requests]
         ends = [s + c for s, c in zip(start, counts)]
         batch = ProposeBatch(
             K,
-            [0, 1],
-            [0, 0],
+            list(requests),
+            [0] * len(first),
             ends,
-            [anchors[r][step] for r in (0, 1)],
+            [anchors[r][step] for r in requests],
             counts,
             torch.cat([torch.arange(s, e) for s, e in zip(start, ends)]),
-            torch.cat([sent[0], sent[1]]),
+            torch.cat(sent),
             want_logits=True,
         )
         out = engine.propose(batch)
         assert out.logits is not None
-        for r in (0, 1):
+        for r in requests:
             rows = torch.cat([first[r], later[r]]) if step else first[r]
             assert_drafts_as_upstream(
                 out.logits[r], out.tokens[r], models, method, rows, anchors[r][step]
