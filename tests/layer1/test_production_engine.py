@@ -260,7 +260,6 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
 @pytest.mark.parametrize(
     "override, reason",
     [
-        ({"attention_bias": True}, "attention biases"),
         ({"dflash_config": {"causal": True, "target_layer_ids": [0]}}, "causal"),
         ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "RoPE scaling"),
@@ -343,6 +342,15 @@ def test_a_bad_mask_embedding_file_is_refused_before_loading(tmp_path, content, 
     with pytest.raises(CheckpointError, match=reason):
         engine.load()
     assert not hasattr(engine, "w")
+
+
+def test_attention_biases_the_checkpoint_lacks_are_refused_by_name(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash", attention_bias=True)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match=r"lacks \['wk_bias', 'wo_bias'"):
+        engine.load()
 
 
 def test_context_width_is_the_target_hidden_size_per_aux_layer(tmp_path):
@@ -553,9 +561,9 @@ def refusal(caplog, draft: Path, target: Path) -> str:
 
 
 def test_cli_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, caplog):
-    draft, target = write_checkpoints(tmp_path, "dflash", attention_bias=True)
+    draft, target = write_checkpoints(tmp_path, "dflash", hidden_act="gelu")
     assert refusal(caplog, draft, target) == (
-        "Refusing to serve: unsupported draft checkpoint: attention biases"
+        "Refusing to serve: unsupported draft checkpoint: hidden_act 'gelu'"
     )
 
 

@@ -55,6 +55,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "logit_scale": {"logit_scale": 0.7},
     "value_scale": {"dflash_config": {"attention_value_scale": 1.7}},
     "interleaved_rope": {"is_neox_style": False},
+    # With a value scale: it scales V's bias too.
+    "attention_bias": {
+        "attention_bias": True,
+        "dflash_config": {"attention_value_scale": 1.3},
+    },
     "mask_embedding": {"mask_embedding": True},
 }
 
@@ -117,6 +122,11 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
         tensors["markov_head.markov_w1.weight"] = rand(VOCAB, 8)
         tensors["markov_head.markov_w2.weight"] = rand(VOCAB, 8)
     overrides = dict(VARIANTS[variant])
+    if overrides.get("attention_bias"):
+        for i in range(layers):
+            for proj, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+                tensors[f"layers.{i}.self_attn.{proj}_proj.bias"] = rand(size)
+            tensors[f"layers.{i}.self_attn.o_proj.bias"] = rand(hidden)
     if "dflash_config" in overrides:
         config["dflash_config"] = {
             **config.get("dflash_config", {}),

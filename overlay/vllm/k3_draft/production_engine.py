@@ -13,7 +13,7 @@ checkpoint through its safetensors index, as bf16; every file either
 checkpoint names must resolve to a path under that checkpoint's root.
 
 Supported: non-causal full attention over the window (the upstream default),
-neox or interleaved RoPE without scaling, no biases, full draft vocabulary,
+neox or interleaved RoPE without scaling, attention biases, full draft vocabulary,
 ``logit_scale``, DFlash's ``attention_value_scale`` and separate mask
 embedding (``mask_embedding.pt``), DSpark with ``sample_from_anchor`` and a
 vanilla Markov head. Other variants are refused with the reason at start-up
@@ -82,6 +82,10 @@ _LAYER_WEIGHTS = {
     "self_attn.k_proj.weight": "wk",
     "self_attn.v_proj.weight": "wv",
     "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "wq_bias",
+    "self_attn.k_proj.bias": "wk_bias",
+    "self_attn.v_proj.bias": "wv_bias",
+    "self_attn.o_proj.bias": "wo_bias",
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "w_gate",
@@ -241,8 +245,6 @@ def _has_sliding_layers(config: dict[str, Any]) -> bool:
 def _refuse_unsupported(config: dict[str, Any]) -> None:
     dflash = config.get("dflash_config") or {}
     reasons = []
-    if config.get("attention_bias"):
-        reasons.append("attention biases")
     if config.get("is_causal") or dflash.get("causal") or dflash.get("use_swa"):
         reasons.append("causal or sliding-window draft attention")
     if _has_sliding_layers(config):
@@ -413,6 +415,7 @@ class DraftCheckpoint:
             rope_theta=_config_float(theta, "rope_theta"),
             rms_norm_eps=_config_float(config, "rms_norm_eps", 1e-6),
             neox_rope=_config_bool(config, "is_neox_style", True),
+            attention_bias=_config_bool(config, "attention_bias", False),
         )
         # Upstream's decoder layer reads the value scale from dflash_config
         # (DSpark's too); null is no scale.
@@ -512,7 +515,9 @@ class ProductionEngine(TorchDraftEngine):
         # Upstream scales V after its projection and every logit (the Markov
         # bias's too): the same as scaling these weights.
         if draft.value_scale != 1.0:
-            w["wv"].mul_(draft.value_scale)
+            for name in ("wv", "wv_bias"):
+                if name in w:
+                    w[name].mul_(draft.value_scale)
         if draft.logit_scale != 1.0:
             for name in ("lm_head", "markov_w2"):
                 if name in w:

@@ -53,7 +53,7 @@ _MAX_NUMEL = 2**63 - 1
 @dataclass(frozen=True)
 class DraftShape:
     """Architecture of a Qwen3-style DFlash/DSpark draft as the torch engine
-    runs it (non-causal query block, no biases)."""
+    runs it (non-causal query block)."""
 
     method: str
     vocab_size: int
@@ -71,6 +71,8 @@ class DraftShape:
     rms_norm_eps: float = 1e-6
     # Neox RoPE (rotated halves); False: interleaved (rotated pairs).
     neox_rope: bool = True
+    # Biases on the Q/K/V and output projections.
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "dspark"):
@@ -128,6 +130,9 @@ class DraftShape:
             ("post_norm", (h,)),
         ):
             shapes[name] = (layers, *shape)
+        if self.attention_bias:
+            for name, size in (("wq", q), ("wk", kv), ("wv", kv), ("wo", h)):
+                shapes[f"{name}_bias"] = (layers, size)
         return shapes
 
 
@@ -339,6 +344,12 @@ class TorchDraftEngine(DraftEngine):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return _rope(x, positions, self.shape.rope_theta, self.shape.neox_rope)
 
+    def _linear(self, x: torch.Tensor, name: str, layer: int) -> torch.Tensor:
+        """``x`` through projection ``name`` of ``layer`` (and its bias)."""
+        y = x @ self.w[name][layer].T
+        bias = self.w.get(f"{name}_bias")
+        return y if bias is None else y + bias[layer]
+
     def _combine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(self.dtype) @ self.w["fc"].T
 
@@ -351,8 +362,10 @@ class TorchDraftEngine(DraftEngine):
         x = self._norm(combined, w["hidden_norm"])
         kv_shape = (x.shape[0], shape.num_kv_heads, shape.head_dim)
         for layer in range(shape.num_layers):
-            k = self._norm((x @ w["wk"][layer].T).view(kv_shape), w["k_norm"][layer])
-            v = (x @ w["wv"][layer].T).view(kv_shape)
+            k = self._norm(
+                self._linear(x, "wk", layer).view(kv_shape), w["k_norm"][layer]
+            )
+            v = self._linear(x, "wv", layer).view(kv_shape)
             self.kv[layer, 0].index_copy_(0, index, self._rope(k, positions))
             self.kv[layer, 1].index_copy_(0, index, v)
 
@@ -386,9 +399,13 @@ class TorchDraftEngine(DraftEngine):
         x = w["embed"][ids]
         for layer in range(shape.num_layers):
             h = self._norm(x, w["input_norm"][layer])
-            q = self._norm((h @ w["wq"][layer].T).view(q_shape), w["q_norm"][layer])
-            k = self._norm((h @ w["wk"][layer].T).view(kv_shape), w["k_norm"][layer])
-            v = (h @ w["wv"][layer].T).view(kv_shape)
+            q = self._norm(
+                self._linear(h, "wq", layer).view(q_shape), w["q_norm"][layer]
+            )
+            k = self._norm(
+                self._linear(h, "wk", layer).view(kv_shape), w["k_norm"][layer]
+            )
+            v = self._linear(h, "wv", layer).view(kv_shape)
             q, k = self._rope(q, positions), self._rope(k, positions)
             ctx_k = torch.where(ctx_seen, self.kv[layer, 0][ctx_index], 0.0)
             ctx_v = torch.where(ctx_seen, self.kv[layer, 1][ctx_index], 0.0)
@@ -401,7 +418,7 @@ class TorchDraftEngine(DraftEngine):
                 attn_mask=attend,
                 enable_gqa=shape.num_heads != shape.num_kv_heads,
             )
-            x = x + out.transpose(1, 2).flatten(2) @ w["wo"][layer].T
+            x = x + self._linear(out.transpose(1, 2).flatten(2), "wo", layer)
             h = self._norm(x, w["post_norm"][layer])
             mlp = F.silu(h @ w["w_gate"][layer].T) * (h @ w["w_up"][layer].T)
             x = x + mlp @ w["w_down"][layer].T
