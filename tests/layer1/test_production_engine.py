@@ -311,6 +311,7 @@ def test_unsupported_checkpoints_are_refused_with_the_reason(
             "attention_value_scale must be a positive finite number",
         ),
         ({"is_neox_style": "no"}, "is_neox_style must be true or false"),
+        ({"is_neox_style": 2}, "is_neox_style must be true or false"),
     ],
 )
 def test_malformed_scales_and_rope_style_are_refused(tmp_path, override, reason):
@@ -323,7 +324,16 @@ def test_malformed_scales_and_rope_style_are_refused(tmp_path, override, reason)
     "content, reason",
     [
         (b"not a pickle", "cannot read"),
+        (b"hello world\n", "cannot read"),
+        (b"\x80", "cannot read"),
+        (bytes(2 << 20), "bytes, more than an embedding of 16 values takes"),
         ({"embedding": torch.zeros(16), "mask_token_id": 3}, "is for mask token 3"),
+        (
+            {"embedding": torch.zeros(16), "mask_token_id": torch.tensor([255, 255])},
+            "is for mask token tensor",
+        ),
+        (torch.zeros(16).to_sparse(), "holds no floating-point embedding"),
+        (torch.full((16,), float("nan")), "not finite"),
         ({"mask_token_id": 255}, "holds no floating-point embedding of 16"),
         (torch.zeros(15), "holds no floating-point embedding of 16"),
         (torch.zeros(16, dtype=torch.int64), "holds no floating-point embedding"),
@@ -342,6 +352,14 @@ def test_a_bad_mask_embedding_file_is_refused_before_loading(tmp_path, content, 
     with pytest.raises(CheckpointError, match=reason):
         engine.load()
     assert not hasattr(engine, "w")
+
+
+@pytest.mark.parametrize("value, neox", [(1, True), (0, False)])
+def test_a_rope_style_written_as_one_or_zero_is_read_as_true_or_false(
+    tmp_path, value, neox
+):
+    draft, _ = write_checkpoints(tmp_path, "dflash", is_neox_style=value)
+    assert DraftCheckpoint.from_dir(draft).shape.neox_rope is neox
 
 
 def test_attention_biases_the_checkpoint_lacks_are_refused_by_name(tmp_path):

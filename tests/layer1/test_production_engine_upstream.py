@@ -61,6 +61,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "dflash_config": {"attention_value_scale": 1.3},
     },
     "mask_embedding": {"mask_embedding": True},
+    # The drafting mask token named only as pard_token: the model has no
+    # mask_token_id of its own, and upstream does not read the file.
+    "mask_embedding_unused": {"mask_embedding": True, "pard_token": MASK_TOKEN},
 }
 
 
@@ -139,6 +142,9 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
         # The dict form upstream accepts (DSpark ignores the file).
         embedding = {"embedding": rand(hidden, scale=1.0), "mask_token_id": MASK_TOKEN}
         torch.save(embedding, draft / "mask_embedding.pt")
+    if "pard_token" in overrides:
+        config.get("dflash_config", {}).pop("mask_token_id", None)
+        config.pop("mask_token_id", None)
     config |= overrides
     save_file(
         {n: t.contiguous() for n, t in tensors.items()}, draft / "model.safetensors"

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,8 @@ logger = init_logger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
+# Bytes a torch.save file adds to its values (zip entries, pickle).
+_MASK_EMBEDDING_FILE_SLACK = 64 << 10
 _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -314,12 +315,14 @@ def _config_float(
 
 
 def _config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
+    """``config[key]`` as a bool: true/false, or 1/0 as some configs write
+    it."""
     value = config.get(key, default)
-    if not isinstance(value, bool):
-        raise CheckpointError(
-            f"config.json: {key} must be true or false, not {value!r}"
-        )
-    return value
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise CheckpointError(f"config.json: {key} must be true or false, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -334,6 +337,9 @@ class DraftCheckpoint:
     target_hidden_size: int
     logit_scale: float = 1.0
     value_scale: float = 1.0
+    # The token whose embedding upstream's DFlash model replaces by
+    # mask_embedding.pt (its own mask_token_id; None: the file is unused).
+    embedding_mask_token_id: Any = None
 
     @classmethod
     def from_dir(cls, root: str | os.PathLike[str]) -> DraftCheckpoint:
@@ -420,6 +426,7 @@ class DraftCheckpoint:
         # Upstream's decoder layer reads the value scale from dflash_config
         # (DSpark's too); null is no scale.
         dflash = config.get("dflash_config") or {}
+        drafter = {**(config.get("eagle_config") or {}), **dflash}
         value_scale = (
             _config_float(dflash, "attention_value_scale")
             if dflash.get("attention_value_scale") is not None
@@ -433,39 +440,63 @@ class DraftCheckpoint:
             target_hidden,
             logit_scale=_config_float(config, "logit_scale", 1.0),
             value_scale=value_scale,
+            embedding_mask_token_id=drafter.get(
+                "mask_token_id", config.get("mask_token_id")
+            ),
         )
 
     def mask_embedding(self) -> torch.Tensor | None:
         """DFlash's separately trained mask embedding (``mask_embedding.pt``,
-        a tensor or ``{"embedding", "mask_token_id"}``), flat; None without
-        the file. DSpark masks through the vocabulary row, as upstream."""
-        if self.shape.method != "dflash":
+        a tensor or ``{"embedding", "mask_token_id"}``), flat; None where
+        upstream does not read the file (no file, DSpark, no
+        ``mask_token_id`` of the model's own). Anything else about the file
+        is a ``CheckpointError``."""
+        token = self.embedding_mask_token_id
+        if self.shape.method != "dflash" or token is None:
             return None
         if not (self.root / MASK_EMBEDDING_FILE).exists():
             return None
         path = confined_path(self.root, MASK_EMBEDDING_FILE)
+        hidden = self.shape.hidden_size
+        if type(token) is not int or not 0 <= token < self.shape.vocab_size:
+            raise CheckpointError(
+                f"{path} is for mask_token_id {token!r}, not a token of the vocabulary"
+            )
+        with _reading(path):
+            size = path.stat().st_size
+        if size > 8 * hidden + _MASK_EMBEDDING_FILE_SLACK:
+            raise CheckpointError(
+                f"{path} is {size} bytes, more than an embedding of {hidden} "
+                "values takes"
+            )
         with _reading(path):
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-                raise CheckpointError(f"cannot read {path}: {exc}") from None
-        mask_token_id = self.shape.mask_token_id
-        if isinstance(state, dict):
-            if state.get("mask_token_id", mask_token_id) != mask_token_id:
+            except OSError:
+                raise
+            except Exception as exc:  # an untrusted file: any unpickler failure
                 raise CheckpointError(
-                    f"{path} is for mask token {state['mask_token_id']!r}, "
-                    f"the config's is {mask_token_id}"
+                    f"cannot read {path}: {type(exc).__name__}: {exc}"
+                ) from None
+        if isinstance(state, dict):
+            stated = state.get("mask_token_id", token)
+            if type(stated) is not int or stated != token:
+                raise CheckpointError(
+                    f"{path} is for mask token {stated!r}, the config's is {token}"
                 )
             state = state.get("embedding")
         if (
             not isinstance(state, torch.Tensor)
+            or state.layout != torch.strided
+            or state.device.type != "cpu"
             or not state.is_floating_point()
-            or state.numel() != self.shape.hidden_size
+            or state.numel() != hidden
         ):
             raise CheckpointError(
-                f"{path} holds no floating-point embedding of "
-                f"{self.shape.hidden_size} values"
+                f"{path} holds no floating-point embedding of {hidden} values"
             )
+        if not torch.isfinite(state).all():
+            raise CheckpointError(f"{path} holds values that are not finite")
         return state.reshape(-1)
 
 
@@ -511,7 +542,7 @@ class ProductionEngine(TorchDraftEngine):
         super().load()
         w, draft = self.w, self.draft
         if mask is not None:
-            w["embed"][self.shape.mask_token_id] = mask
+            w["embed"][self.draft.embedding_mask_token_id] = mask
         # Upstream scales V after its projection and every logit (the Markov
         # bias's too): the same as scaling these weights.
         if draft.value_scale != 1.0:
