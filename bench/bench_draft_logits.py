@@ -320,7 +320,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--server-busy-poll-us",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="the server's busy poll after each reply (microseconds)",
     )
@@ -329,14 +329,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--context-rows",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="context rows per request in each PROPOSE (the verifier's steady "
         "state sends its accepted tokens' rows: 1 to K + 1)",
     )
     parser.add_argument(
         "--context-width",
-        type=int,
+        type=positive_int,
         default=8,
         help="bf16 values per context row (Kimi DFlash: 3 x 7168 = 21504)",
     )

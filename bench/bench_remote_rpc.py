@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--enable-cuda-graph", action="store_true")
     parser.add_argument(
         "--server-busy-poll-us",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="the server's busy poll after each reply (microseconds)",
     )
