@@ -330,17 +330,19 @@ def upstream_logits(
     method: str,
     rows: torch.Tensor,
     anchor: int,
+    start: int,
     drafted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draft logits ``[K, V]`` of one request whose context is ``rows``
-    (positions 0..n-1) and whose anchor sits at position n, laid out as
+    """Draft logits ``[K, V]`` of one request whose context is ``rows`` at
+    positions ``start``..n-1 and whose anchor sits at position n, laid out as
     upstream's speculators lay the query block out. DSpark's Markov head
     follows the greedy tokens, or ``drafted`` when given."""
     device = model.lm_head.weight.device
-    n = rows.shape[0]
-    positions = torch.arange(n, device=device)
+    n = start + rows.shape[0]
+    positions = torch.arange(start, n, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
     combined = model.combine_hidden_states(rows.to(device, model.lm_head.weight.dtype))
-    model.precompute_and_store_context_kv(combined, positions, positions)
+    model.precompute_and_store_context_kv(combined, positions, slots)
     # DFlash: anchor + K masks, drafts at the masks. DSpark (anchor as the
     # first prediction): anchor + K-1 masks, a draft at every query row.
     query = K + 1 if method == "dflash" else K
@@ -364,7 +366,7 @@ def context(n: int, seed: int) -> torch.Tensor:
 
 
 def assert_drafts_as_upstream(
-    ours: torch.Tensor, tokens: torch.Tensor, models, method, rows, anchor
+    ours: torch.Tensor, tokens: torch.Tensor, models, method, rows, anchor, start
 ) -> None:
     """On CPU (float32 both) logits within 1e-5 and the same greedy tokens.
     On CUDA the engine runs bf16 (and its CUDA graphs): its logits must be
@@ -374,13 +376,13 @@ def assert_drafts_as_upstream(
     near tie does not make the chains diverge."""
     exact, bf16 = models
     if bf16 is None:
-        expected = upstream_logits(exact, method, rows, anchor)
+        expected = upstream_logits(exact, method, rows, anchor, start)
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(tokens, expected.argmax(-1))
         return
     drafted = tokens.to(ours.device)
-    expected = upstream_logits(exact, method, rows, anchor, drafted)
-    upstream = upstream_logits(bf16, method, rows, anchor, drafted).float()
+    expected = upstream_logits(exact, method, rows, anchor, start, drafted)
+    upstream = upstream_logits(bf16, method, rows, anchor, start, drafted).float()
     assert torch.equal(drafted, ours.argmax(-1))
     error = (ours.float() - expected).norm()
     upstream_error = (upstream - expected).norm()
@@ -417,18 +419,21 @@ def test_production_engine_drafts_as_upstreams_model(
     engine.capture_cuda_graphs()
     # Three requests in two PROPOSEs: the second sends each request's new
     # rows only, so the drafts depend on the context the engine kept.
-    first = [context(20, 1), context(9, 2), context(31, 5)]
+    # The third request's context starts at position 6 (as after a RECONNECT
+    # that restored a later window).
+    valid = [0, 0, 6]
+    first = [context(20, 1), context(9, 2), context(25, 5)]
     later = [context(5, 3), context(2, 4), context(1, 6)]
     anchors = [[40, 7], [123, 200], [0, 254]]
     requests = range(len(first))
     for step, sent in enumerate((first, later)):
-        start = [0 if step == 0 else first[r].shape[0] for r in requests]
+        start = [valid[r] + (first[r].shape[0] if step else 0) for r in requests]
         counts = [sent[r].shape[0] for r in requests]
         ends = [s + c for s, c in zip(start, counts)]
         batch = ProposeBatch(
             K,
             list(requests),
-            [0] * len(first),
+            valid,
             ends,
             [anchors[r][step] for r in requests],
             counts,
@@ -441,5 +446,11 @@ def test_production_engine_drafts_as_upstreams_model(
         for r in requests:
             rows = torch.cat([first[r], later[r]]) if step else first[r]
             assert_drafts_as_upstream(
-                out.logits[r], out.tokens[r], models, method, rows, anchors[r][step]
+                out.logits[r],
+                out.tokens[r],
+                models,
+                method,
+                rows,
+                anchors[r][step],
+                valid[r],
             )
