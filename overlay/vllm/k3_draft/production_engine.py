@@ -13,11 +13,11 @@ checkpoint through its safetensors index, as bf16; every file either
 checkpoint names must resolve to a path under that checkpoint's root.
 
 Supported: non-causal full attention over the window (the upstream default),
-neox or interleaved RoPE without scaling, attention biases, full draft vocabulary,
-``logit_scale``, DFlash's ``attention_value_scale`` and separate mask
-embedding (``mask_embedding.pt``), DSpark with ``sample_from_anchor`` and a
-vanilla Markov head. Other variants are refused with the reason at start-up
-rather than served wrongly.
+neox or interleaved RoPE without scaling, attention biases, full draft
+vocabulary, ``logit_scale``, ``dflash_config.attention_value_scale``,
+DFlash's separate mask embedding (``mask_embedding.pt``), DSpark with
+``sample_from_anchor`` and a vanilla Markov head. Other variants are refused
+with the reason at start-up rather than served wrongly.
 """
 
 from __future__ import annotations
