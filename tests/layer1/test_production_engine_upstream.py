@@ -298,6 +298,7 @@ def upstream_model(tmp_path, monkeypatch):
             if method == "dflash"
             else Qwen3DSparkForCausalLM
         )
+        weights = load_file(draft / "model.safetensors")
         heads = load_file(target / "model.safetensors")
 
         def load(dtype: torch.dtype):
@@ -306,7 +307,7 @@ def upstream_model(tmp_path, monkeypatch):
                 # load_weights builds the fused context-KV buffers from the
                 # loaded parameters.
                 model = model_cls(vllm_config=config).to(device, dtype)
-                model.load_weights(load_file(draft / "model.safetensors").items())
+                model.load_weights(weights.items())
             # The target's heads, shared as upstream's speculators share them.
             model.model.embed_tokens.weight.data.copy_(
                 heads["model.embed_tokens.weight"]

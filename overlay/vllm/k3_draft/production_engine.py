@@ -464,12 +464,11 @@ class DraftCheckpoint:
             )
         with _reading(path):
             size = path.stat().st_size
-        if size > 8 * hidden + _MASK_EMBEDDING_FILE_SLACK:
-            raise CheckpointError(
-                f"{path} is {size} bytes, more than an embedding of {hidden} "
-                "values takes"
-            )
-        with _reading(path):
+            if size > 8 * hidden + _MASK_EMBEDDING_FILE_SLACK:
+                raise CheckpointError(
+                    f"{path} is {size} bytes, more than an embedding of {hidden} "
+                    "values takes"
+                )
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except OSError:
@@ -542,7 +541,7 @@ class ProductionEngine(TorchDraftEngine):
         super().load()
         w, draft = self.w, self.draft
         if mask is not None:
-            w["embed"][self.draft.embedding_mask_token_id] = mask
+            w["embed"][draft.embedding_mask_token_id] = mask
         # Upstream scales V after its projection and every logit (the Markov
         # bias's too): the same as scaling these weights.
         if draft.value_scale != 1.0:
