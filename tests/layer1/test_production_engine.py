@@ -100,6 +100,7 @@ def write_checkpoints(root: Path, method: str, **config_overrides) -> tuple[Path
     architecture = "DFlashDraftModel" if method == "dflash" else "Qwen3DSparkModel"
     config = {
         "architectures": [architecture],
+        "model_type": "qwen3",
         "hidden_size": model.hidden_size,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
@@ -262,15 +263,29 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
     [
         ({"dflash_config": {"causal": True, "target_layer_ids": [0]}}, "causal"),
         ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
-        ({"rope_parameters": {"rope_type": "yarn"}}, "RoPE scaling"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
+        # Upstream's embeddings that do not apply a plain cos/sin table.
+        (
+            {"rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 1]}},
+            r"RoPE 'default' \(MRotaryEmbedding\)",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "deepseek_yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+            r"RoPE 'deepseek_yarn' \(DeepseekScalingRotaryEmbedding\)",
+        ),
+        # Upstream's own checks of the RoPE parameters.
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+            "upstream cannot build the draft's RoPE .*'factor'",
+        ),
+        ({"model_type": None}, "upstream cannot build .*model type `None`"),
         ({"architectures": ["LlamaForCausalLM"]}, "no supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"partial_rotary_factor": 0.5}, "partial rotary"),
-        (
-            {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-            "partial rotary",
-        ),
         (
             {"dflash_config": {"sample_from_anchor": True, "target_layer_ids": [0]}},
             "sample_from_anchor",
@@ -711,3 +726,40 @@ def test_a_layer_tensor_of_another_shape_is_refused_in_one_line(tmp_path, caplog
     assert refusal(caplog, draft, target) == (
         f"Refusing to serve: {name} has shape [15, 16], expected [16, 16]"
     )
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"partial_rotary_factor": 0.5},
+        {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    ],
+)
+def test_partial_rotary_embeddings_rotate_the_fraction_upstream_rotates(
+    tmp_path, override
+):
+    draft, _ = write_checkpoints(tmp_path, "dflash", **override)
+    shape = DraftCheckpoint.from_dir(draft).shape
+    assert shape.rotary_dim == shape.head_dim // 2
+
+
+def test_unscaled_rope_is_made_longer_than_the_configs_max_positions(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash", max_position_embeddings=64)
+    checkpoint = DraftCheckpoint.from_dir(draft)
+    table = checkpoint.rope_table(LIMITS.max_model_len)
+    assert table.shape == (LIMITS.max_model_len, checkpoint.shape.head_dim)
+    # The same function of the position: upstream's own rows first.
+    assert torch.equal(table[:64], checkpoint.rope.cos_sin_cache)
+    assert not torch.equal(table[64:128], table[:64])
+
+
+def test_scaled_rope_shorter_than_the_model_length_is_refused(tmp_path):
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    draft, target = write_checkpoints(
+        tmp_path, "dflash", rope_scaling=scaling, max_position_embeddings=64
+    )
+    # Linear scaling's table covers factor x max_position_embeddings.
+    with pytest.raises(CheckpointError, match="covers 128 positions.* 4096"):
+        ProductionEngine.from_checkpoints(
+            LIMITS, str(draft), str(target), torch.device("cpu")
+        )

@@ -64,6 +64,34 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The drafting mask token named only as pard_token: the model has no
     # mask_token_id of its own, and upstream does not read the file.
     "mask_embedding_unused": {"mask_embedding": True, "pard_token": MASK_TOKEN},
+    "partial_rotary": {"partial_rotary_factor": 0.5},
+    # RoPE scaling, as configs write it (transformers standardises it).
+    "linear_rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    # Upstream's static NTK scaling changes the base only when trained on
+    # fewer positions than the config's maximum.
+    "dynamic_rope": {
+        "rope_scaling": {
+            "rope_type": "dynamic",
+            "factor": 2.0,
+            "max_trained_positions": 1024,
+        }
+    },
+    "yarn_rope": {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+    },
+    "llama3_rope": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+    },
 }
 
 
@@ -228,11 +256,12 @@ def _rms_norm(out, x, weight, eps) -> None:
 
 
 def _rotary_embedding(positions, query, key, head_size, cache, is_neox) -> None:
-    """``ops.rotary_embedding``: in place."""
+    """``ops.rotary_embedding``: in place, rotating the cache's width of each
+    head."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     q, k = RotaryEmbedding.forward_static(
-        positions, query, key, head_size, head_size, cache, is_neox
+        positions, query, key, head_size, cache.shape[-1], cache, is_neox
     )
     query.copy_(q)
     if key is not None:
@@ -348,7 +377,10 @@ def upstream_logits(
     # first prediction): anchor + K-1 masks, a draft at every query row.
     query = K + 1 if method == "dflash" else K
     ids = torch.tensor([anchor] + [MASK_TOKEN] * (query - 1), device=device)
-    hidden = model(ids, n + torch.arange(query, device=device))
+    # Past the model length clamped to its last position, as upstream's
+    # speculators clamp the query block (dflash/speculator.py).
+    query_positions = n + torch.arange(query, device=device)
+    hidden = model(ids, query_positions.clamp(max=LIMITS.max_model_len - 1))
     if method == "dflash":
         return model.compute_logits(hidden[1:])
     base = model.compute_draft_logits(hidden)
@@ -455,3 +487,42 @@ def test_production_engine_drafts_as_upstreams_model(
                 anchors[r][step],
                 valid[r],
             )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_query_block_past_the_model_length_drafts_as_upstreams(
+    upstream_model, method, device
+):
+    # The anchor one position before the last: the query block's later rows
+    # fall past max_model_len.
+    draft, target, *models = upstream_model(method, "plain", device)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS,
+        str(draft),
+        str(target),
+        torch.device(device),
+        enable_cuda_graph=device == "cuda",
+    )
+    engine.load()
+    engine.capture_cuda_graphs()
+    rows = context(4, 7)
+    end = LIMITS.max_model_len - 2
+    start = end - rows.shape[0]
+    anchor = 17
+    batch = ProposeBatch(
+        K,
+        [0],
+        [start],
+        [end],
+        [anchor],
+        [rows.shape[0]],
+        torch.arange(start, end),
+        rows,
+        want_logits=True,
+    )
+    out = engine.propose(batch)
+    assert out.logits is not None
+    assert_drafts_as_upstream(
+        out.logits[0], out.tokens[0], models, method, rows, anchor, start
+    )

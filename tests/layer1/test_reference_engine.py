@@ -238,7 +238,9 @@ def test_memory_plan_counts_the_bytes_load_allocates():
     plan = engine.memory_plan()
     assert plan.kv_bytes == engine.kv.nbytes
     assert plan.prefix_cache_bytes == engine.cache.rows.nbytes
-    assert plan.weight_bytes == sum(w.nbytes for w in engine.w.values())
+    # The RoPE table counts with the weights.
+    weights = sum(w.nbytes for w in engine.w.values())
+    assert plan.weight_bytes == weights + engine.rope.nbytes
 
 
 class MisshapenEngine(ReferenceEngine):

@@ -13,21 +13,23 @@ checkpoint through its safetensors index, as bf16; every file either
 checkpoint names must resolve to a path under that checkpoint's root.
 
 Supported: non-causal full attention over the window (the upstream default),
-neox or interleaved RoPE without scaling, attention biases, full draft
-vocabulary, ``logit_scale``, ``dflash_config.attention_value_scale``,
-DFlash's separate mask embedding (``mask_embedding.pt``), DSpark with
-``sample_from_anchor`` and a vanilla Markov head. Other variants are refused
-with the reason at start-up rather than served wrongly.
+neox or interleaved RoPE, whole or partial, unscaled or with any scaling
+whose upstream embedding is a plain cosine/sine table (``_upstream_rope``:
+its table is the engine's), attention biases, full draft vocabulary,
+``logit_scale``, ``dflash_config.attention_value_scale``, DFlash's separate
+mask embedding (``mask_embedding.pt``), DSpark with ``sample_from_anchor``
+and a vanilla Markov head. Other variants are refused with the reason at
+start-up rather than served wrongly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -256,11 +258,6 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
     if draft_vocab is not None and draft_vocab != config.get("vocab_size"):
         reasons.append("a reduced draft vocabulary")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        reasons.append("RoPE scaling")
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        reasons.append("partial rotary embeddings")
     if config.get("hidden_act", "silu") != "silu":
         reasons.append(f"hidden_act {config.get('hidden_act')!r}")
     if dflash.get("sample_from_anchor"):
@@ -280,6 +277,55 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         reasons.append("drafting without aux hidden states")
     if reasons:
         raise CheckpointError("unsupported draft checkpoint: " + ", ".join(reasons))
+
+
+def _custom_op_context() -> contextlib.AbstractContextManager[Any]:
+    """The current vLLM config that upstream's ``CustomOp`` layers read when
+    they are made (a RoPE module here, on CPU)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    return set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu")))
+
+
+def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
+    """Upstream's rotary embedding of the draft in ``root``, float32 on CPU,
+    built as its DFlash/DSpark attention builds it: ``get_rope`` of the
+    config vLLM reads (RoPE parameters standardised), at the config's
+    ``max_position_embeddings``. Refused unless it applies its
+    ``cos_sin_cache`` as ``RotaryEmbedding`` does (default, linear, dynamic,
+    YaRN, Llama 3 scaling and the like), the form the torch engine runs."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
+    from vllm.transformers_utils.config import get_config
+
+    try:
+        hf_config = get_config(root, trust_remote_code=False)
+        rope_parameters = hf_config.rope_parameters
+        with _custom_op_context():
+            rope = get_rope(
+                head_dim,
+                max_position=hf_config.max_position_embeddings,
+                is_neox_style=neox,
+                rope_parameters=rope_parameters,
+                dtype=torch.float32,
+            )
+    except Exception as exc:  # upstream's config and RoPE checks, any type
+        # Their first line: some run on with advice.
+        reason = str(exc).partition("\n")[0]
+        raise CheckpointError(
+            f"upstream cannot build the draft's RoPE from {root / 'config.json'}: "
+            f"{type(exc).__name__}: {reason}"
+        ) from None
+    kind = type(rope)
+    if not isinstance(rope, RotaryEmbedding) or any(
+        getattr(kind, name) is not getattr(RotaryEmbedding, name)
+        for name in dir(RotaryEmbedding)
+        if name.startswith("forward")
+    ):
+        rope_type = (rope_parameters or {}).get("rope_type", "default")
+        raise CheckpointError(
+            f"unsupported draft checkpoint: RoPE {rope_type!r} ({kind.__name__})"
+        )
+    return rope
 
 
 def _config_int(
@@ -325,7 +371,7 @@ def _config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
     raise CheckpointError(f"config.json: {key} must be true or false, not {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DraftCheckpoint:
     """A draft checkpoint's architecture, the aux layers it consumes and the
     scales upstream applies to its logits and attention values."""
@@ -340,6 +386,35 @@ class DraftCheckpoint:
     # The token whose embedding upstream's DFlash model replaces by
     # mask_embedding.pt (its own mask_token_id; None: the file is unused).
     embedding_mask_token_id: Any = None
+    # Upstream's rotary embedding of the draft (``_upstream_rope``).
+    rope: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def rope_table(self, positions: int) -> torch.Tensor:
+        """Upstream's RoPE table of the draft for positions
+        ``0..positions-1`` (float32). Beyond the config's
+        ``max_position_embeddings`` only unscaled RoPE has one (the same
+        function of the position, made longer); otherwise ``CheckpointError``."""
+        from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+        rope = self.rope
+        covered = rope.cos_sin_cache.shape[0]
+        if covered < positions:
+            if type(rope) is not RotaryEmbedding:
+                raise CheckpointError(
+                    f"the draft's scaled RoPE covers {covered} positions "
+                    "(max_position_embeddings of its config.json), fewer than "
+                    f"--max-model-len {positions}"
+                )
+            with _custom_op_context():
+                rope = RotaryEmbedding(
+                    rope.head_size,
+                    rope.rotary_dim,
+                    positions,
+                    rope.base,
+                    rope.is_neox_style,
+                    torch.float32,
+                )
+        return rope.cos_sin_cache[:positions]
 
     @classmethod
     def from_dir(cls, root: str | os.PathLike[str]) -> DraftCheckpoint:
@@ -423,6 +498,10 @@ class DraftCheckpoint:
             neox_rope=_config_bool(config, "is_neox_style", True),
             attention_bias=_config_bool(config, "attention_bias", False),
         )
+        # After the checks above, which name the offending key.
+        rope = _upstream_rope(path, shape.head_dim, shape.neox_rope)
+        if rope.rotary_dim != shape.head_dim:
+            shape = dataclasses.replace(shape, rotary_dim=rope.rotary_dim)
         # Upstream's decoder layer reads the value scale from dflash_config
         # (DSpark's too); null is no scale.
         dflash = config.get("dflash_config") or {}
@@ -443,6 +522,7 @@ class DraftCheckpoint:
             embedding_mask_token_id=drafter.get(
                 "mask_token_id", config.get("mask_token_id")
             ),
+            rope=rope,
         )
 
     def mask_embedding(self) -> torch.Tensor | None:
@@ -533,6 +613,8 @@ class ProductionEngine(TorchDraftEngine):
     ) -> None:
         super().__init__(limits, draft.shape, device, enable_cuda_graph)
         self.draft = draft
+        # Made here, before any memory is planned: a table too short fails.
+        self._rope_table = draft.rope_table(limits.max_model_len)
         self.target_root = Path(target_root).resolve(strict=True)
 
     def load(self) -> None:
@@ -552,6 +634,9 @@ class ProductionEngine(TorchDraftEngine):
             for name in ("lm_head", "markov_w2"):
                 if name in w:
                     w[name].mul_(draft.logit_scale)
+
+    def rope_table(self) -> torch.Tensor:
+        return self._rope_table
 
     @classmethod
     def from_checkpoints(

@@ -71,6 +71,8 @@ class DraftShape:
     rms_norm_eps: float = 1e-6
     # Neox RoPE (rotated halves); False: interleaved (rotated pairs).
     neox_rope: bool = True
+    # Leading dimensions of a head that RoPE rotates (None: the whole head).
+    rotary_dim: int | None = None
     # Biases on the Q/K/V and output projections.
     attention_bias: bool = False
 
@@ -91,6 +93,12 @@ class DraftShape:
                 raise ValueError(f"{name} must be positive")
         if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
             raise ValueError("head_dim must be even, num_heads a multiple of kv heads")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary_dim {self.rotary_dim} must be even and within head_dim"
+            )
         if (self.method == "dspark") != (self.markov_rank > 0):
             raise ValueError("a DSpark draft (only) has a Markov head rank")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -100,6 +108,11 @@ class DraftShape:
                 raise ValueError(
                     f"weight {weight} {size} holds more than 2**63 - 1 elements"
                 )
+
+    @property
+    def rotary_width(self) -> int:
+        """Dimensions of a head that RoPE rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Engine weight names -> shapes (per-layer weights stacked)."""
@@ -175,23 +188,33 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
-def _rope(
-    x: torch.Tensor, positions: torch.Tensor, theta: float, neox: bool = True
-) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[..., heads, head_dim]`` at ``positions``
-    ``[...]``: neox (rotated halves) or interleaved (rotated pairs)."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (
-        -torch.arange(half, device=x.device, dtype=torch.float32) / half
+def rope_table(theta: float, rotary_dim: int, positions: int) -> torch.Tensor:
+    """Unscaled RoPE at positions ``0..positions-1``: float32 ``[positions,
+    rotary_dim]``, cosines then sines, as upstream's ``cos_sin_cache``."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
     )
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    cos = angles.cos().unsqueeze(-2).to(x.dtype)
-    sin = angles.sin().unsqueeze(-2).to(x.dtype)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos_sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``x`` ``[..., heads, head_dim]`` with its leading ``rotary_dim``
+    dimensions rotated by ``cos_sin`` ``[..., rotary_dim]`` (the table rows at
+    its positions): neox (rotated halves) or interleaved (rotated pairs)."""
+    rotary_dim = cos_sin.shape[-1]
+    cos, sin = cos_sin.unsqueeze(-2).chunk(2, dim=-1)
+    rotated = x[..., :rotary_dim]
     if neox:
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        x1, x2 = rotated.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = out.flatten(-2)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
 
 
 class TorchDraftEngine(DraftEngine):
@@ -229,6 +252,16 @@ class TorchDraftEngine(DraftEngine):
     def host_weights(self) -> dict[str, torch.Tensor]:
         """CPU tensors of ``shape.weight_shapes()`` (any float dtype)."""
 
+    def rope_table(self) -> torch.Tensor:
+        """RoPE cosines and sines of positions ``0..max_model_len-1``:
+        float32 ``[max_model_len, shape.rotary_width]`` on CPU. Unscaled
+        RoPE of ``shape.rope_theta``; a subclass serving scaled RoPE returns
+        its own."""
+        shape = self.shape
+        return rope_table(
+            shape.rope_theta, shape.rotary_width, self.limits.max_model_len
+        )
+
     # ------------------------------------------------------------ lifecycle
 
     def memory_plan(self) -> MemoryPlan:
@@ -237,9 +270,10 @@ class TorchDraftEngine(DraftEngine):
         kv = (shape.num_layers * 2 * self.geometry.num_blocks * limits.block_size) * (
             shape.num_kv_heads * shape.head_dim
         )
+        # The RoPE table counts with the weights.
         weights = sum(
             torch.Size(size).numel() for size in shape.weight_shapes().values()
-        )
+        ) + (limits.max_model_len * shape.rotary_width)
         logits = (
             limits.max_batch_size * limits.max_speculative_tokens * shape.vocab_size
         )
@@ -267,6 +301,11 @@ class TorchDraftEngine(DraftEngine):
             name: value.to(device=self.device, dtype=self.dtype, copy=True)
             for name, value in weights.items()
         }
+        table = self.rope_table()
+        if tuple(table.shape) != (limits.max_model_len, shape.rotary_width):
+            raise ValueError("the RoPE table does not match the draft shape")
+        # In the engine's dtype, as upstream keeps its table in the model's.
+        self.rope = table.to(device=self.device, dtype=self.dtype)
         # [layer, K/V, flat cache position, kv head, dim]; layout: kv_slots.
         self.kv = torch.zeros(
             shape.num_layers,
@@ -342,7 +381,7 @@ class TorchDraftEngine(DraftEngine):
         return _rms_norm(x, weight, self.shape.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _rope(x, positions, self.shape.rope_theta, self.shape.neox_rope)
+        return _rope(x, self.rope[positions], self.shape.neox_rope)
 
     def _linear(self, x: torch.Tensor, name: str, layer: int) -> torch.Tensor:
         """``x`` through projection ``name`` of ``layer`` (and its bias)."""
@@ -381,7 +420,11 @@ class TorchDraftEngine(DraftEngine):
             (batch, rows), shape.mask_token_id, dtype=torch.int64, device=self.device
         )
         ids[:, 0] = anchors
-        positions = anchor_pos[:, None] + offsets
+        # Clamped to the last position, as upstream's speculators clamp the
+        # query block's positions.
+        positions = (anchor_pos[:, None] + offsets).clamp(
+            max=self.limits.max_model_len - 1
+        )
         ctx_pos = (
             anchor_pos[:, None] - window + torch.arange(window, device=self.device)
         )
