@@ -262,7 +262,6 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
     "override, reason",
     [
         ({"dflash_config": {"causal": True, "target_layer_ids": [0]}}, "causal"),
-        ({"draft_vocab_size": 128}, "reduced draft vocabulary"),
         # Upstream's embeddings that do not apply a plain cos/sin table.
         (
             {"rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 1]}},
@@ -290,7 +289,6 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
             {"dflash_config": {"sample_from_anchor": True, "target_layer_ids": [0]}},
             "sample_from_anchor",
         ),
-        ({"dspark_draft_topk": 1}, "dspark_draft_topk"),
         (
             {"architectures": ["Qwen3DSparkModel"], "markov_head_type": "gated"},
             "unsupported DSpark head",
@@ -705,6 +703,22 @@ def test_unreadable_checkpoint_files_are_refused_in_one_line(
             {"architectures": ["Qwen3DSparkModel"], "markov_rank": 16.0},
             "markov_rank must be a positive integer, not 16.0",
         ),
+        (
+            {
+                "architectures": ["Qwen3DSparkModel"],
+                "markov_rank": 16,
+                "dspark_draft_topk": 0,
+            },
+            "dspark_draft_topk must be a positive integer, not 0",
+        ),
+        (
+            {
+                "architectures": ["Qwen3DSparkModel"],
+                "markov_rank": 16,
+                "dspark_draft_topk": 257,
+            },
+            "draft_topk 257 needs a DSpark draft and must be positive and at most",
+        ),
         ({"dflash_config": [1]}, "config.json"),
         ({"dflash_config": {"target_layer_ids": ["a"]}}, "config.json"),
     ],
@@ -763,3 +777,53 @@ def test_scaled_rope_shorter_than_the_model_length_is_refused(tmp_path):
         ProductionEngine.from_checkpoints(
             LIMITS, str(draft), str(target), torch.device("cpu")
         )
+
+
+def write_reduced_vocabulary(draft: Path, ids: torch.Tensor) -> None:
+    """Give the draft an LM head of ``len(ids)`` rows drafting vocabulary
+    ``ids`` (as upstream's d2t offsets) and say so in its config."""
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn(len(ids), REFERENCE["dflash"].hidden_size)
+    tensors["d2t"] = ids - torch.arange(len(ids))
+    save_file(tensors, str(draft / "model.safetensors"))
+    config = json.loads((draft / "config.json").read_text())
+    config["draft_vocab_size"] = len(ids)
+    (draft / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "ids, reason",
+    [
+        (torch.tensor([3, 1, 256]), "outside the vocabulary of 256"),
+        (torch.tensor([3, -1, 5]), "outside the vocabulary"),
+        (torch.tensor([3, 7, 3]), "two draft ids to one vocabulary id"),
+    ],
+)
+def test_a_draft_to_target_map_off_the_vocabulary_is_refused(tmp_path, ids, reason):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    write_reduced_vocabulary(draft, ids)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match=reason):
+        engine.load()
+
+
+def test_a_reduced_vocabulary_draft_without_its_lm_head_is_refused(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash", draft_vocab_size=3)
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match="must ship its lm_head"):
+        engine.load()
+
+
+def test_a_draft_vocabulary_above_the_vocabulary_is_refused(tmp_path):
+    draft, _ = write_checkpoints(tmp_path, "dflash", draft_vocab_size=257)
+    with pytest.raises(CheckpointError, match="draft_vocab_size 257 is above"):
+        DraftCheckpoint.from_dir(draft)
+
+
+def test_dflash_ignores_a_dspark_top_k_as_upstream_does(tmp_path):
+    draft, _ = write_checkpoints(tmp_path, "dflash", dspark_draft_topk=4)
+    assert DraftCheckpoint.from_dir(draft).shape.draft_topk is None

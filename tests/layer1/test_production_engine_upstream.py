@@ -37,6 +37,7 @@ TARGET_HIDDEN = 16
 AUX_LAYERS = [1, 3, 5]
 VOCAB = 256
 MASK_TOKEN = VOCAB - 1
+DRAFT_VOCAB = 96
 # GQA (4 query heads over 2 KV heads), two layers.
 DRAFT = {
     "hidden_size": 32,
@@ -83,6 +84,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 1024,
         }
     },
+    # Drafts over 96 ids, mapped (out of order) onto vocabulary ids by d2t;
+    # the draft ships its LM head.
+    "reduced_vocab": {"draft_vocab_size": DRAFT_VOCAB},
+    # DSpark's Markov bias on each position's 8 best base logits (DFlash
+    # ignores the key, as upstream does).
+    "draft_topk": {"dspark_draft_topk": 8},
     "llama3_rope": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -130,6 +137,13 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
             f"layers.{i}.mlp.up_proj.weight": rand(inter, hidden),
             f"layers.{i}.mlp.down_proj.weight": rand(hidden, inter),
         }
+    overrides = dict(VARIANTS[variant])
+    # The rows the LM head and the Markov bias score.
+    draft_vocab = overrides.get("draft_vocab_size", VOCAB)
+    if draft_vocab < VOCAB:
+        tensors["lm_head.weight"] = rand(draft_vocab, hidden)
+        ids = torch.randperm(VOCAB, generator=gen)[:draft_vocab]
+        tensors["d2t"] = ids - torch.arange(draft_vocab)
     config: dict[str, Any] = {
         "model_type": "qwen3",
         **DRAFT,
@@ -151,8 +165,7 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
         config["mask_token_id"] = MASK_TOKEN
         config["markov_rank"] = 8
         tensors["markov_head.markov_w1.weight"] = rand(VOCAB, 8)
-        tensors["markov_head.markov_w2.weight"] = rand(VOCAB, 8)
-    overrides = dict(VARIANTS[variant])
+        tensors["markov_head.markov_w2.weight"] = rand(draft_vocab, 8)
     if overrides.get("attention_bias"):
         for i in range(layers):
             for proj, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
@@ -337,11 +350,13 @@ def upstream_model(tmp_path, monkeypatch):
                 # loaded parameters.
                 model = model_cls(vllm_config=config).to(device, dtype)
                 model.load_weights(weights.items())
-            # The target's heads, shared as upstream's speculators share them.
+            # The target's heads the draft lacks, shared as upstream's
+            # speculators share them.
             model.model.embed_tokens.weight.data.copy_(
                 heads["model.embed_tokens.weight"]
             )
-            model.lm_head.weight.data.copy_(heads["lm_head.weight"])
+            if "lm_head.weight" not in weights:
+                model.lm_head.weight.data.copy_(heads["lm_head.weight"])
             return model
 
         # On CUDA also in bf16, the engine's dtype there.
@@ -384,13 +399,38 @@ def upstream_logits(
     if method == "dflash":
         return model.compute_logits(hidden[1:])
     base = model.compute_draft_logits(hidden)
+    topk = getattr(model.config, "dspark_draft_topk", None)
+    if topk is not None:
+        values, candidates = base.topk(topk, dim=-1)
     prev = torch.tensor([anchor], device=device)
     steps = []
     for i in range(K):
-        logits = base[i : i + 1] + model.markov_bias(model.markov_embed(prev))
-        prev = logits.argmax(-1) if drafted is None else drafted[i : i + 1]
+        embed = model.markov_embed(prev)
+        if topk is None:
+            logits = base[i : i + 1] + model.markov_bias(embed)
+        else:
+            # As upstream's speculator runs a top-k head: -inf but the
+            # candidates, which the Markov bias corrects.
+            logits = model.apply_markov_bias_gathered(
+                embed,
+                torch.full_like(base[i : i + 1], float("-inf")),
+                values[i : i + 1],
+                candidates[i : i + 1],
+            )
+        prev = (
+            model.map_draft_to_target(logits.argmax(-1))
+            if drafted is None
+            else drafted[i : i + 1]
+        )
         steps.append(logits[0])
-    return torch.stack(steps)
+    logits = torch.stack(steps)
+    if model.draft_id_to_target_id is None:
+        return logits
+    # A reduced vocabulary scattered into the vocabulary over -inf, as
+    # upstream's DSpark speculator scatters it for sampling.
+    index = torch.arange(logits.shape[-1], device=device) + model.draft_id_to_target_id
+    full = logits.new_full((K, VOCAB), float("-inf"))
+    return full.index_copy_(1, index, logits)
 
 
 def context(n: int, seed: int) -> torch.Tensor:
@@ -417,8 +457,11 @@ def assert_drafts_as_upstream(
     expected = upstream_logits(exact, method, rows, anchor, start, drafted)
     upstream = upstream_logits(bf16, method, rows, anchor, start, drafted).float()
     assert torch.equal(drafted, ours.argmax(-1))
-    error = (ours.float() - expected).norm()
-    upstream_error = (upstream - expected).norm()
+    # Ids a reduced vocabulary does not draft are -inf in all three.
+    scored = expected.isfinite()
+    assert torch.equal(ours.isfinite(), scored)
+    error = (ours.float() - expected)[scored].norm()
+    upstream_error = (upstream - expected)[scored].norm()
     assert error <= 2 * upstream_error, (error, upstream_error)
 
 

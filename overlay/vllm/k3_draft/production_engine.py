@@ -15,11 +15,13 @@ checkpoint names must resolve to a path under that checkpoint's root.
 Supported: non-causal full attention over the window (the upstream default),
 neox or interleaved RoPE, whole or partial, unscaled or with any scaling
 whose upstream embedding is a plain cosine/sine table (``_upstream_rope``:
-its table is the engine's), attention biases, full draft vocabulary,
+its table is the engine's), attention biases, the full or a reduced draft
+vocabulary (``draft_vocab_size`` with ``d2t``; the draft ships its LM head),
 ``logit_scale``, ``dflash_config.attention_value_scale``, DFlash's separate
 mask embedding (``mask_embedding.pt``), DSpark with ``sample_from_anchor``
-and a vanilla Markov head. Other variants are refused with the reason at
-start-up rather than served wrongly.
+and a vanilla Markov head (on every logit or on ``dspark_draft_topk``).
+Other variants are refused with the reason at start-up rather than served
+wrongly.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ _GLOBAL_WEIGHTS = {
     "lm_head.weight": "lm_head",
     "markov_head.markov_w1.weight": "markov_w1",
     "markov_head.markov_w2.weight": "markov_w2",
+    # Offsets: the vocabulary id of draft id i is i + d2t[i].
+    "d2t": "draft_to_target",
 }
 # Checkpoint-name aliases upstream's DFlash loader maps as well.
 _ALIASES = (
@@ -254,16 +258,11 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         reasons.append("sliding-window layers")
     if dflash.get("attention_sink_bias") or config.get("add_swa_attention_sink_bias"):
         reasons.append("attention sinks")
-    draft_vocab = config.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != config.get("vocab_size"):
-        reasons.append("a reduced draft vocabulary")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if config.get("hidden_act", "silu") != "silu":
         reasons.append(f"hidden_act {config.get('hidden_act')!r}")
     if dflash.get("sample_from_anchor"):
         reasons.append("DFlash sample_from_anchor")
-    if config.get("dspark_draft_topk"):
-        reasons.append("dspark_draft_topk")
     # Defaults differ between config classes: the checkpoint must say.
     if rope.get("rope_theta") is None and config.get("rope_theta") is None:
         reasons.append("no rope_theta")
@@ -481,9 +480,23 @@ class DraftCheckpoint:
             if "num_key_value_heads" in config
             else 32
         )
+        vocab = _config_int(config, "vocab_size")
+        draft_vocab = _config_int(config, "draft_vocab_size", vocab)
+        if draft_vocab > vocab:
+            raise CheckpointError(
+                f"config.json: draft_vocab_size {draft_vocab} is above "
+                f"vocab_size {vocab}"
+            )
         shape = DraftShape(
             method=method,
-            vocab_size=_config_int(config, "vocab_size"),
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab if draft_vocab < vocab else None,
+            # Upstream's DSpark speculator reads it; DFlash ignores it.
+            draft_topk=(
+                _config_int(config, "dspark_draft_topk")
+                if method == "dspark" and config.get("dspark_draft_topk") is not None
+                else None
+            ),
             context_width=target_hidden * len(aux_layers),
             hidden_size=hidden,
             num_layers=_config_int(config, "num_hidden_layers"),
@@ -699,8 +712,17 @@ class ProductionEngine(TorchDraftEngine):
                 raise CheckpointError(f"the draft misses {engine_name} of some layers")
             weights[engine_name] = torch.stack(tensors)  # type: ignore[arg-type]
         missing = {"embed", "lm_head"} - weights.keys()
+        if "lm_head" in missing and shape.draft_vocab_size is not None:
+            raise CheckpointError(
+                "a draft with a reduced vocabulary (draft_vocab_size "
+                f"{shape.draft_vocab_size}) must ship its lm_head"
+            )
         if missing:
             weights.update(self._target_heads(missing))
+        if "draft_to_target" in weights:
+            weights["draft_to_target"] = self._vocabulary_ids(
+                weights["draft_to_target"]
+            )
         absent = sorted(expected.keys() - weights.keys())
         if absent:
             raise CheckpointError(f"the draft checkpoint lacks {absent}")
@@ -711,6 +733,22 @@ class ProductionEngine(TorchDraftEngine):
                     f"expected {list(expected[name])}"
                 )
         return weights
+
+    def _vocabulary_ids(self, offsets: torch.Tensor) -> torch.Tensor:
+        """The vocabulary id of each draft id from the checkpoint's ``d2t``
+        offsets, as upstream maps them; refused unless every id is in the
+        vocabulary and no two draft ids share one."""
+        shape = self.shape
+        if offsets.is_floating_point() or offsets.dim() != 1:
+            raise CheckpointError("d2t must hold one integer per draft id")
+        ids = torch.arange(len(offsets)) + offsets.long()
+        if ((ids < 0) | (ids >= shape.vocab_size)).any():
+            raise CheckpointError(
+                f"d2t maps draft ids outside the vocabulary of {shape.vocab_size}"
+            )
+        if len(ids.unique()) != len(ids):
+            raise CheckpointError("d2t maps two draft ids to one vocabulary id")
+        return ids
 
     def _target_heads(self, missing: set[str]) -> dict[str, torch.Tensor]:
         """Embedding and/or LM head from the target checkpoint, as bf16."""

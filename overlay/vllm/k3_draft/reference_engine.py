@@ -48,6 +48,8 @@ logger = init_logger(__name__)
 _NO_CONTEXT = 1 << 62
 # The most elements a torch tensor counts.
 _MAX_NUMEL = 2**63 - 1
+# The weight mapping draft ids to vocabulary ids (int64).
+_ID_MAP = "draft_to_target"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,13 @@ class DraftShape:
     neox_rope: bool = True
     # Leading dimensions of a head that RoPE rotates (None: the whole head).
     rotary_dim: int | None = None
+    # Rows of the LM head and of DSpark's Markov bias when the draft drafts
+    # over a subset of the vocabulary, its ids mapped to the vocabulary's by
+    # the ``draft_to_target`` weight (None: the whole vocabulary).
+    draft_vocab_size: int | None = None
+    # DSpark: the Markov bias corrects only each position's top-k base
+    # logits, the rest are -inf (None: every logit).
+    draft_topk: int | None = None
     # Biases on the Q/K/V and output projections.
     attention_bias: bool = False
 
@@ -93,6 +102,20 @@ class DraftShape:
                 raise ValueError(f"{name} must be positive")
         if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
             raise ValueError("head_dim must be even, num_heads a multiple of kv heads")
+        if self.draft_vocab_size is not None and not (
+            0 < self.draft_vocab_size < self.vocab_size
+        ):
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} must be positive and "
+                f"below vocab_size {self.vocab_size}"
+            )
+        if self.draft_topk is not None and (
+            self.method != "dspark" or not 0 < self.draft_topk <= self.draft_vocab
+        ):
+            raise ValueError(
+                f"draft_topk {self.draft_topk} needs a DSpark draft and must be "
+                "positive and at most the draft vocabulary"
+            )
         if self.rotary_dim is not None and not (
             0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         ):
@@ -110,13 +133,23 @@ class DraftShape:
                 )
 
     @property
+    def draft_vocab(self) -> int:
+        """Ids the LM head scores."""
+        return (
+            self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+        )
+
+    @property
     def rotary_width(self) -> int:
         """Dimensions of a head that RoPE rotates."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Engine weight names -> shapes (per-layer weights stacked)."""
+        """Engine weight names -> shapes (per-layer weights stacked). All are
+        floating point but ``draft_to_target`` (int64: the vocabulary id of
+        each draft id)."""
         h, v, layers = self.hidden_size, self.vocab_size, self.num_layers
+        draft_v = self.draft_vocab
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         inter = self.intermediate_size
         shapes: dict[str, tuple[int, ...]] = {
@@ -124,11 +157,13 @@ class DraftShape:
             "fc": (h, self.context_width),
             "hidden_norm": (h,),
             "final_norm": (h,),
-            "lm_head": (v, h),
+            "lm_head": (draft_v, h),
         }
+        if self.draft_vocab_size is not None:
+            shapes["draft_to_target"] = (draft_v,)
         if self.markov_rank:
             shapes["markov_w1"] = (v, self.markov_rank)
-            shapes["markov_w2"] = (v, self.markov_rank)
+            shapes["markov_w2"] = (draft_v, self.markov_rank)
         for name, shape in (
             ("wq", (q, h)),
             ("wk", (kv, h)),
@@ -244,13 +279,16 @@ class TorchDraftEngine(DraftEngine):
             supports_logits=True,
             query_kv_overhang=0,
         )
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]]
-        self._graphs = {}
+        self._graphs: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
         self._graph_sizes = graph_batch_sizes(limits.max_batch_size)
 
     @abc.abstractmethod
     def host_weights(self) -> dict[str, torch.Tensor]:
-        """CPU tensors of ``shape.weight_shapes()`` (any float dtype)."""
+        """CPU tensors of ``shape.weight_shapes()`` (any float dtype;
+        ``draft_to_target`` integral, every value a vocabulary id, no two
+        alike)."""
 
     def rope_table(self) -> torch.Tensor:
         """RoPE cosines and sines of positions ``0..max_model_len-1``:
@@ -270,10 +308,10 @@ class TorchDraftEngine(DraftEngine):
         kv = (shape.num_layers * 2 * self.geometry.num_blocks * limits.block_size) * (
             shape.num_kv_heads * shape.head_dim
         )
-        # The RoPE table counts with the weights.
-        weights = sum(
-            torch.Size(size).numel() for size in shape.weight_shapes().values()
-        ) + (limits.max_model_len * shape.rotary_width)
+        # The RoPE table counts with the weights; the id map is int64.
+        sizes = {n: torch.Size(s).numel() for n, s in shape.weight_shapes().items()}
+        ids = sizes.pop(_ID_MAP, 0)
+        weights = sum(sizes.values()) + limits.max_model_len * shape.rotary_width
         logits = (
             limits.max_batch_size * limits.max_speculative_tokens * shape.vocab_size
         )
@@ -286,7 +324,7 @@ class TorchDraftEngine(DraftEngine):
                 shape.hidden_size,
                 self.dtype,
             ),
-            weight_bytes=weights * itemsize,
+            weight_bytes=weights * itemsize + ids * 8,
             staging_bytes=staging + logits * itemsize,
         )
 
@@ -298,7 +336,11 @@ class TorchDraftEngine(DraftEngine):
             raise ValueError("draft weights do not match the draft shape")
         # Copies: the engine owns its weights (a subclass may adjust them).
         self.w = {
-            name: value.to(device=self.device, dtype=self.dtype, copy=True)
+            name: value.to(
+                device=self.device,
+                dtype=torch.int64 if name == _ID_MAP else self.dtype,
+                copy=True,
+            )
             for name, value in weights.items()
         }
         table = self.rope_table()
@@ -369,8 +411,8 @@ class TorchDraftEngine(DraftEngine):
             for batch, depth in shapes:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._query(batch, depth)
-                self._graphs[(batch, depth)] = (graph, logits)
+                    logits, tokens = self._query(batch, depth)
+                self._graphs[(batch, depth)] = (graph, logits, tokens)
         torch.cuda.synchronize(self.device)
         logger.info("Captured %d draft CUDA graphs", len(shapes))
         return sorted(self._graphs)
@@ -408,9 +450,13 @@ class TorchDraftEngine(DraftEngine):
             self.kv[layer, 0].index_copy_(0, index, self._rope(k, positions))
             self.kv[layer, 1].index_copy_(0, index, v)
 
-    def _query(self, batch: int, depth: int) -> torch.Tensor:
-        """Draft logits ``[batch, depth, V]`` from the query inputs' first
-        ``batch`` rows (fixed shapes: capturable)."""
+    def _query(self, batch: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``[batch, depth, V]`` and greedy tokens ``[batch,
+        depth]`` from the query inputs' first ``batch`` rows (fixed shapes:
+        capturable). With a reduced draft vocabulary the logits are
+        scattered into the vocabulary over -inf, as upstream scatters them;
+        DFlash's tokens are their argmax, DSpark's the vocabulary ids of the
+        draft ids its Markov chain picks (upstream's orders)."""
         shape, w, window = self.shape, self.w, self.limits.window_size
         anchors, anchor_pos, slots, starts = self._query_in[:, :batch]
         dflash = shape.method == "dflash"
@@ -467,16 +513,42 @@ class TorchDraftEngine(DraftEngine):
             x = x + mlp @ w["w_down"][layer].T
         hidden = self._norm(x[:, 1:] if dflash else x, w["final_norm"])
         logits = hidden @ w["lm_head"].T
-        if dflash:
-            return logits
-        # DSpark: sequential Markov bias from the previously drafted token.
-        steps = []
-        prev = anchors
-        for step in range(depth):
-            step_logits = logits[:, step] + w["markov_w1"][prev] @ w["markov_w2"].T
-            prev = step_logits.argmax(-1)
-            steps.append(step_logits)
-        return torch.stack(steps, 1)
+        to_target = w.get(_ID_MAP)
+        if not dflash:
+            # DSpark: sequential Markov bias from the previously drafted token.
+            topk = shape.draft_topk
+            if topk is not None:
+                values, candidates = logits.topk(topk, dim=-1)
+            steps, drafted = [], []
+            prev = anchors
+            for step in range(depth):
+                embed = w["markov_w1"][prev]
+                if topk is None:
+                    step_logits = logits[:, step] + embed @ w["markov_w2"].T
+                else:
+                    # Upstream's truncated proposal: the bias on the top-k
+                    # base logits only, -inf elsewhere.
+                    picked = candidates[:, step]
+                    corrected = values[:, step] + (
+                        w["markov_w2"][picked] @ embed[:, :, None]
+                    ).squeeze(-1)
+                    step_logits = torch.full_like(logits[:, step], -math.inf).scatter_(
+                        1, picked, corrected
+                    )
+                prev = step_logits.argmax(-1)
+                if to_target is not None:
+                    prev = to_target[prev]
+                steps.append(step_logits)
+                drafted.append(prev)
+            logits = torch.stack(steps, 1)
+        if to_target is not None:
+            logits = torch.full(
+                (batch, depth, shape.vocab_size),
+                -math.inf,
+                dtype=logits.dtype,
+                device=self.device,
+            ).index_copy_(2, to_target, logits)
+        return logits, logits.argmax(-1) if dflash else torch.stack(drafted, 1)
 
     # -------------------------------------------------------------- serving
 
@@ -497,12 +569,11 @@ class TorchDraftEngine(DraftEngine):
         )
         self._query_in[:, :padded].copy_(host[:, :padded], non_blocking=True)
         if self._graphs:
-            graph, graph_logits = self._graphs[(padded, depth)]
+            graph, graph_logits, graph_tokens = self._graphs[(padded, depth)]
             graph.replay()
-            logits = graph_logits[:num_reqs]
+            logits, tokens = graph_logits[:num_reqs], graph_tokens[:num_reqs]
         else:
-            logits = self._query(num_reqs, depth)
-        tokens = logits.argmax(-1)
+            logits, tokens = self._query(num_reqs, depth)
         timer.mark("query")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
