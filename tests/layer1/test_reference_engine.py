@@ -264,9 +264,9 @@ def test_memory_plan_stages_every_context_row_with_its_position_and_the_logits()
     engine = ReferenceEngine(
         LIMITS, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
     )
-    rows_and_positions = 512 * (WIDTH * 2 + 8)  # bf16 rows, int64 positions
+    rows_and_indices = 512 * (WIDTH * 2 + 24)  # bf16 rows, three int64 indices
     logits = 4 * 4 * 1024 * 4  # batch x K x vocab, float32 on CPU
-    assert engine.memory_plan().staging_bytes == rows_and_positions + logits
+    assert engine.memory_plan().staging_bytes == rows_and_indices + logits
 
 
 def test_plan_context_keeps_only_rows_the_cache_can_hold():
@@ -324,6 +324,31 @@ def test_cuda_graph_replay_matches_eager(method):
         for k in (1, 2, 3, 4):
             a, b = eager.propose(batch(*args, k=k)), graphed.propose(batch(*args, k=k))
             torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_context_pass_keeps_only_the_rows_eager_keeps():
+    # 100 and 70 rows: past the context cache's budget (64) and the KV
+    # window's reach (48), so rows are dropped from both; 170 rows run
+    # padded to 256. A second step then reads what the first one kept.
+    eager = make_engine(device="cuda")
+    graphed = make_engine(device="cuda", graphs=True)
+    ends, counts = [100, 70], [100, 70]
+    context = torch.cat([rows(c, 40 + i) for i, c in enumerate(counts)])
+    steps = [([0, 0], ends, counts, context)]
+    steps.append(([0, 0], [e + 2 for e in ends], [2, 2], rows(4, 50)))
+    for starts, step_ends, step_counts, step_rows in steps:
+        args = ([0, 1], starts, step_ends, step_counts, step_rows)
+        a, b = eager.propose(batch(*args)), graphed.propose(batch(*args))
+        torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=5e-2)
+    # What RECONNECT restores from: the cached rows agree too.
+    torch.testing.assert_close(
+        eager.cache.rows[: graphed.cache.scratch_row],
+        graphed.cache.rows[: graphed.cache.scratch_row],
+        atol=5e-2,
+        rtol=5e-2,
+    )
 
 
 @pytest.mark.gpu

@@ -23,7 +23,8 @@ def covered_start(start: int, high: int, budget: int) -> int:
 
 
 class ContextCache:
-    """``num_slots`` rings of ``budget`` rows of width ``hidden_size``."""
+    """``num_slots`` rings of ``budget`` rows of width ``hidden_size``, and
+    one scratch row after them that writes of padding rows may target."""
 
     def __init__(
         self,
@@ -36,23 +37,25 @@ class ContextCache:
         if budget <= 0:
             raise ValueError("the context cache budget must be positive")
         self.budget = budget
+        self.scratch_row = num_slots * budget
         self.rows = torch.zeros(
-            num_slots * budget, hidden_size, dtype=dtype, device=device
+            num_slots * budget + 1, hidden_size, dtype=dtype, device=device
         )
 
     @staticmethod
     def bytes_needed(
         num_slots: int, budget: int, hidden_size: int, dtype: torch.dtype
     ) -> int:
-        return num_slots * budget * hidden_size * dtype.itemsize
+        return (num_slots * budget + 1) * hidden_size * dtype.itemsize
 
     def index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat row indices of ``positions`` in ``slots`` (same device)."""
         return slots * self.budget + torch.remainder(positions, self.budget)
 
     def write(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store ``rows`` at flat ``index`` (see ``index``); indices must be
-        distinct, i.e. at most ``budget`` consecutive positions per slot."""
+        """Store ``rows`` at flat ``index`` (see ``index``, or the scratch
+        row); indices other than the scratch row's must be distinct, i.e. at
+        most ``budget`` consecutive positions per slot."""
         self.rows.index_copy_(0, index, rows.to(self.rows.dtype))
 
     def _range_index(self, slot: int, start: int, end: int) -> torch.Tensor:

@@ -11,7 +11,9 @@ predicting the next token, then the sequential low-rank Markov head) attends
 non-causally to the last ``window`` context positions and to itself. Float32
 on CPU, bf16 on CUDA. With CUDA graphs, the query pass of every (batch
 bucket, depth) shape is captured (batches padded to the bucket with rows that
-attend to no context); context K/V is always written eagerly.
+attend to no context), and the context pass of every row bucket (rows padded
+with rows that write only the context cache's scratch row and the reserved
+KV block 0); a RECONNECT's restore runs eagerly.
 
 ``ReferenceEngine`` is a small such draft with random weights, deterministic
 given the seed: what tests and the GPU qualification drive. The production
@@ -282,6 +284,9 @@ class TorchDraftEngine(DraftEngine):
         self._graphs: dict[
             tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
+        # The context pass per padded row count.
+        self._context_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._context_sizes = graph_batch_sizes(limits.max_context_tokens)
         self._graph_sizes = graph_batch_sizes(limits.max_batch_size)
 
     @abc.abstractmethod
@@ -315,7 +320,8 @@ class TorchDraftEngine(DraftEngine):
         logits = (
             limits.max_batch_size * limits.max_speculative_tokens * shape.vocab_size
         )
-        staging = limits.max_context_tokens * (shape.context_width * 2 + 8)
+        # Context rows (bf16) and, per row, three int64 indices.
+        staging = limits.max_context_tokens * (shape.context_width * 2 + 24)
         return MemoryPlan(
             kv_bytes=kv * itemsize,
             prefix_cache_bytes=ContextCache.bytes_needed(
@@ -380,6 +386,22 @@ class TorchDraftEngine(DraftEngine):
                 dtype=torch.bfloat16,
                 pin_memory=True,
             )
+        # Context inputs: the rows and, per row, its position, its row of the
+        # context cache and its flat KV index. Padding rows, and rows the KV
+        # window does not keep, write the cache's scratch row and reserved
+        # block 0, which nothing reads.
+        self._rows_in = torch.zeros(
+            limits.max_context_tokens,
+            shape.context_width,
+            dtype=torch.bfloat16,
+            device=self.device,
+        )
+        self._host_context = torch.zeros(
+            3, limits.max_context_tokens, dtype=torch.int64, pin_memory=pin
+        )
+        self._context_in = torch.zeros(
+            3, limits.max_context_tokens, dtype=torch.int64, device=self.device
+        )
 
     def capture_cuda_graphs(self) -> list[tuple[int, int]]:
         if not self.enable_cuda_graph:
@@ -398,6 +420,10 @@ class TorchDraftEngine(DraftEngine):
             for depth in range(self.limits.max_speculative_tokens, 0, -1)
         ]
         self._query_in[3].fill_(_NO_CONTEXT)
+        # Every context row a padding row: captures write nothing read.
+        self._pad_context(0)
+        self._context_in.copy_(self._host_context)
+        sizes = list(reversed(self._context_sizes))
         # Capture on the engine's own stream, under its device (torch's
         # default capture stream is process-wide, made on whichever device
         # was current at the first capture).
@@ -407,14 +433,25 @@ class TorchDraftEngine(DraftEngine):
             with torch.cuda.stream(stream):
                 for batch, depth in shapes:
                     self._query(batch, depth)
+                for size in sizes:
+                    self._context(size)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             for batch, depth in shapes:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits, tokens = self._query(batch, depth)
                 self._graphs[(batch, depth)] = (graph, logits, tokens)
+            for size in sizes:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._context(size)
+                self._context_graphs[size] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d draft CUDA graphs", len(shapes))
+        logger.info(
+            "Captured %d draft CUDA graphs (and %d of the context pass)",
+            len(shapes),
+            len(sizes),
+        )
         return sorted(self._graphs)
 
     # ------------------------------------------------------------- compute
@@ -587,26 +624,54 @@ class TorchDraftEngine(DraftEngine):
         )
 
     def _store_context(self, batch: ProposeBatch) -> None:
+        """The batch's context rows into the context cache and the KV slots:
+        indices made on the host, then the context pass (its graph for the
+        padded row count, if captured)."""
         plan = plan_context(batch, self.limits.kv_reach, self.cache.budget)
         rows = batch.rows if plan.keep is None else batch.rows[plan.keep]
+        count = rows.shape[0]
+        positions, slots = plan.positions, plan.slots
+        kv_index = self.geometry.slot_mapping(slots, positions)
+        if plan.kv_select is not None:
+            # Rows past the KV window's reach: cached, their K/V discarded.
+            kept = torch.zeros(count, dtype=torch.bool)
+            kept[plan.kv_select] = True
+            kv_index[~kept] = 0
+        host = self._host_context
+        host[0, :count] = positions
+        host[1, :count] = self.cache.index(slots, positions)
+        host[2, :count] = kv_index
+        graph = None
+        if self._context_graphs:
+            padded = padded_batch_size(self._context_sizes, count)
+            self._pad_context(count, padded)
+            graph = self._context_graphs[padded]
+            count = padded
+        self._context_in[:, :count].copy_(host[:, :count], non_blocking=True)
         if self.device.type == "cuda":
             staged = self._host_rows[: rows.shape[0]]
             staged.copy_(rows)
-            rows = staged.to(self.device, non_blocking=True)
-        positions = plan.positions.to(self.device, non_blocking=True)
-        slots = plan.slots.to(self.device, non_blocking=True)
-        combined = self._combine(rows)
-        self.cache.write(self.cache.index(slots, positions), combined)
-        if plan.kv_select is not None:
-            select = plan.kv_select.to(self.device, non_blocking=True)
-            combined, positions, slots = (
-                combined[select],
-                positions[select],
-                slots[select],
-            )
-        self._write_kv(
-            combined, positions, self.geometry.slot_mapping(slots, positions)
-        )
+            rows = staged
+        self._rows_in[: rows.shape[0]].copy_(rows, non_blocking=True)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._context(count)
+
+    def _pad_context(self, start: int, end: int | None = None) -> None:
+        """Host context rows ``[start, end)`` made padding rows."""
+        host = self._host_context[:, start:end]
+        host[0] = 0
+        host[1] = self.cache.scratch_row
+        host[2] = 0
+
+    def _context(self, count: int) -> None:
+        """The context pass over the first ``count`` context inputs (fixed
+        shapes: capturable): combine, cache the combined rows, write K/V."""
+        positions, cache_index, kv_index = self._context_in[:, :count]
+        combined = self._combine(self._rows_in[:count])
+        self.cache.write(cache_index, combined)
+        self._write_kv(combined, positions, kv_index)
 
     def restore(self, src_slot: int, dst_slot: int, start: int, end: int) -> None:
         self.cache.copy(src_slot, dst_slot, start, end)
