@@ -350,6 +350,9 @@ def upstream_model(tmp_path, monkeypatch):
                 # loaded parameters.
                 model = model_cls(vllm_config=config).to(device, dtype)
                 model.load_weights(weights.items())
+            # Its LM head in the model's dtype too, as a model of that dtype
+            # has it (the config's is float32).
+            model.logits_processor.head_dtype = dtype
             # The target's heads the draft lacks, shared as upstream's
             # speculators share them.
             model.model.embed_tokens.weight.data.copy_(
