@@ -280,9 +280,21 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
         # Upstream's own checks of the RoPE parameters.
         (
             {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
-            "upstream cannot build the draft's RoPE .*'factor'",
+            "upstream cannot read .*config.json: KeyError: .*'factor'",
         ),
-        ({"model_type": None}, "upstream cannot build .*model type `None`"),
+        ({"model_type": None}, "upstream cannot read .*model type `None`"),
+        # Upstream's LongRoPE reads the served model's length: not a table.
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 4,
+                    "long_factor": [2.0] * 4,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+            "unsupported draft checkpoint: RoPE 'longrope'",
+        ),
         ({"architectures": ["LlamaForCausalLM"]}, "no supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         (
@@ -806,6 +818,34 @@ def test_a_draft_to_target_map_off_the_vocabulary_is_refused(tmp_path, ids, reas
         LIMITS, str(draft), str(target), torch.device("cpu")
     )
     with pytest.raises(CheckpointError, match=reason):
+        engine.load()
+
+
+def test_a_reduced_vocabulary_without_d2t_drafts_the_first_ids_as_upstream(
+    tmp_path,
+):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    write_reduced_vocabulary(draft, torch.arange(5))
+    tensors = load_file(str(draft / "model.safetensors"))
+    del tensors["d2t"]
+    save_file(tensors, str(draft / "model.safetensors"))
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    engine.load()
+    assert torch.equal(engine.w["draft_to_target"], torch.arange(5))
+
+
+def test_a_d2t_of_another_length_is_refused_by_its_name(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    write_reduced_vocabulary(draft, torch.arange(5))
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"][:4].contiguous()
+    save_file(tensors, str(draft / "model.safetensors"))
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+    with pytest.raises(CheckpointError, match=r"d2t must hold one integer per draft"):
         engine.load()
 
 

@@ -298,7 +298,13 @@ def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
 
     try:
         hf_config = get_config(root, trust_remote_code=False)
-        rope_parameters = hf_config.rope_parameters
+    except Exception as exc:  # upstream's config checks, any type
+        raise CheckpointError(
+            f"upstream cannot read {root / 'config.json'}: {_first_line(exc)}"
+        ) from None
+    rope_parameters = hf_config.rope_parameters
+    rope_type = (rope_parameters or {}).get("rope_type", "default")
+    try:
         with _custom_op_context():
             rope = get_rope(
                 head_dim,
@@ -307,12 +313,9 @@ def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
                 rope_parameters=rope_parameters,
                 dtype=torch.float32,
             )
-    except Exception as exc:  # upstream's config and RoPE checks, any type
-        # Their first line: some run on with advice.
-        reason = str(exc).partition("\n")[0]
+    except Exception as exc:  # a RoPE that needs more than a config to build
         raise CheckpointError(
-            f"upstream cannot build the draft's RoPE from {root / 'config.json'}: "
-            f"{type(exc).__name__}: {reason}"
+            f"unsupported draft checkpoint: RoPE {rope_type!r} ({_first_line(exc)})"
         ) from None
     kind = type(rope)
     if not isinstance(rope, RotaryEmbedding) or any(
@@ -320,11 +323,17 @@ def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
         for name in dir(RotaryEmbedding)
         if name.startswith("forward")
     ):
-        rope_type = (rope_parameters or {}).get("rope_type", "default")
         raise CheckpointError(
             f"unsupported draft checkpoint: RoPE {rope_type!r} ({kind.__name__})"
         )
     return rope
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: message`` of ``exc``, its first line (some run on with
+    advice)."""
+    message = str(exc).partition("\n")[0]
+    return f"{type(exc).__name__}: {message}"
 
 
 def _config_int(
@@ -719,10 +728,13 @@ class ProductionEngine(TorchDraftEngine):
             )
         if missing:
             weights.update(self._target_heads(missing))
-        if "draft_to_target" in weights:
-            weights["draft_to_target"] = self._vocabulary_ids(
-                weights["draft_to_target"]
+        if shape.draft_vocab_size is not None:
+            # Without d2t upstream keeps its zero offsets: the first ids.
+            offsets = weights.get(
+                "draft_to_target",
+                torch.zeros(shape.draft_vocab_size, dtype=torch.int64),
             )
+            weights["draft_to_target"] = self._vocabulary_ids(offsets)
         absent = sorted(expected.keys() - weights.keys())
         if absent:
             raise CheckpointError(f"the draft checkpoint lacks {absent}")
@@ -736,11 +748,15 @@ class ProductionEngine(TorchDraftEngine):
 
     def _vocabulary_ids(self, offsets: torch.Tensor) -> torch.Tensor:
         """The vocabulary id of each draft id from the checkpoint's ``d2t``
-        offsets, as upstream maps them; refused unless every id is in the
-        vocabulary and no two draft ids share one."""
+        offsets (zeros where it has none), as upstream maps them; refused
+        unless every id is in the vocabulary and no two draft ids share
+        one."""
         shape = self.shape
-        if offsets.is_floating_point() or offsets.dim() != 1:
-            raise CheckpointError("d2t must hold one integer per draft id")
+        if offsets.is_floating_point() or offsets.shape != (shape.draft_vocab,):
+            raise CheckpointError(
+                f"d2t must hold one integer per draft id ({shape.draft_vocab}), "
+                f"not {offsets.dtype} {list(offsets.shape)}"
+            )
         ids = torch.arange(len(offsets)) + offsets.long()
         if ((ids < 0) | (ids >= shape.vocab_size)).any():
             raise CheckpointError(

@@ -503,18 +503,17 @@ class TorchDraftEngine(DraftEngine):
             (batch, rows), shape.mask_token_id, dtype=torch.int64, device=self.device
         )
         ids[:, 0] = anchors
-        # Clamped to the last position, as upstream's speculators clamp the
-        # query block's positions.
-        positions = (anchor_pos[:, None] + offsets).clamp(
-            max=self.limits.max_model_len - 1
-        )
+        # Rows past the model length, as upstream's speculators lay them out:
+        # rotated at the last position, and no key (the attention's sequence
+        # ends at the model length).
+        positions = anchor_pos[:, None] + offsets
+        in_model = positions < self.limits.max_model_len
+        positions = positions.clamp(max=self.limits.max_model_len - 1)
         ctx_pos = (
             anchor_pos[:, None] - window + torch.arange(window, device=self.device)
         )
         ctx_seen = ctx_pos >= starts[:, None]
-        attend = torch.cat((ctx_seen, torch.ones_like(ids, dtype=torch.bool)), 1)[
-            :, None, None, :
-        ]
+        attend = torch.cat((ctx_seen, in_model), 1)[:, None, None, :]
         # Window rows before the request's start hold whatever the slot's
         # previous owner left (even NaN or inf): zero them, since a masked
         # weight of 0 times NaN is still NaN.
