@@ -485,6 +485,21 @@ def assert_drafts_as_upstream(
     assert error <= 2 * upstream_error, (error, upstream_error)
 
 
+def loaded_engine(draft: Path, target: Path, device: str) -> ProductionEngine:
+    """The production engine of the checkpoints, loaded; with its CUDA
+    graphs on CUDA."""
+    engine = ProductionEngine.from_checkpoints(
+        LIMITS,
+        str(draft),
+        str(target),
+        torch.device(device),
+        enable_cuda_graph=device == "cuda",
+    )
+    engine.load()
+    engine.capture_cuda_graphs()
+    return engine
+
+
 DEVICES = [
     "cpu",
     pytest.param(
@@ -504,15 +519,7 @@ def test_production_engine_drafts_as_upstreams_model(
     upstream_model, method, variant, device
 ):
     draft, target, *models = upstream_model(method, variant, device)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS,
-        str(draft),
-        str(target),
-        torch.device(device),
-        enable_cuda_graph=device == "cuda",
-    )
-    engine.load()
-    engine.capture_cuda_graphs()
+    engine = loaded_engine(draft, target, device)
     # Three requests in two PROPOSEs: the second sends each request's new
     # rows only, so the drafts depend on the context the engine kept.
     # The third request's context starts at position 6 (as after a RECONNECT
@@ -561,15 +568,7 @@ def test_a_query_block_past_the_model_length_drafts_as_upstreams(
     # The anchor one position before the last: the query block's later rows
     # fall past max_model_len.
     draft, target, *models = upstream_model(method, "plain", device)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS,
-        str(draft),
-        str(target),
-        torch.device(device),
-        enable_cuda_graph=device == "cuda",
-    )
-    engine.load()
-    engine.capture_cuda_graphs()
+    engine = loaded_engine(draft, target, device)
     rows = context(4, 7)
     end = LIMITS.max_model_len - 2
     start = end - rows.shape[0]
