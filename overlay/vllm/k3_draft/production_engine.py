@@ -397,6 +397,18 @@ class DraftCheckpoint:
     # Upstream's rotary embedding of the draft (``_upstream_rope``).
     rope: Any = dataclasses.field(default=None, compare=False, repr=False)
 
+    def check_rope_covers(self, positions: int) -> None:
+        """``CheckpointError`` unless ``rope_table(positions)`` can be made."""
+        from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+        covered = self.rope.cos_sin_cache.shape[0]
+        if covered < positions and type(self.rope) is not RotaryEmbedding:
+            raise CheckpointError(
+                f"the draft's scaled RoPE covers {covered} positions "
+                "(max_position_embeddings of its config.json), fewer than "
+                f"--max-model-len {positions}"
+            )
+
     def rope_table(self, positions: int) -> torch.Tensor:
         """Upstream's RoPE table of the draft for positions
         ``0..positions-1`` (float32). Beyond the config's
@@ -404,15 +416,9 @@ class DraftCheckpoint:
         function of the position, made longer); otherwise ``CheckpointError``."""
         from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
+        self.check_rope_covers(positions)
         rope = self.rope
-        covered = rope.cos_sin_cache.shape[0]
-        if covered < positions:
-            if type(rope) is not RotaryEmbedding:
-                raise CheckpointError(
-                    f"the draft's scaled RoPE covers {covered} positions "
-                    "(max_position_embeddings of its config.json), fewer than "
-                    f"--max-model-len {positions}"
-                )
+        if rope.cos_sin_cache.shape[0] < positions:
             with _custom_op_context():
                 rope = RotaryEmbedding(
                     rope.head_size,
@@ -635,8 +641,8 @@ class ProductionEngine(TorchDraftEngine):
     ) -> None:
         super().__init__(limits, draft.shape, device, enable_cuda_graph)
         self.draft = draft
-        # Made here, before any memory is planned: a table too short fails.
-        self._rope_table = draft.rope_table(limits.max_model_len)
+        # Before any memory is planned.
+        draft.check_rope_covers(limits.max_model_len)
         self.target_root = Path(target_root).resolve(strict=True)
 
     def load(self) -> None:
@@ -658,7 +664,7 @@ class ProductionEngine(TorchDraftEngine):
                     w[name].mul_(draft.logit_scale)
 
     def rope_table(self) -> torch.Tensor:
-        return self._rope_table
+        return self.draft.rope_table(self.limits.max_model_len)
 
     @classmethod
     def from_checkpoints(
