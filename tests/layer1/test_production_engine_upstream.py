@@ -300,6 +300,7 @@ def upstream_model(tmp_path, monkeypatch):
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
+        model_parallel_is_initialized,
     )
     from vllm.model_executor.models import qwen3_dflash
 
@@ -309,7 +310,9 @@ def upstream_model(tmp_path, monkeypatch):
         "ops",
         SimpleNamespace(rms_norm=_rms_norm, rotary_embedding=_rotary_embedding),
     )
-    built = []
+    # Whether this fixture made the one-rank world (another test's
+    # session-wide one serves as well).
+    owned = []
 
     def make(method: str, variant: str, device: str):
         from safetensors.torch import load_file
@@ -336,8 +339,9 @@ def upstream_model(tmp_path, monkeypatch):
             device_config=DeviceConfig(device="cpu"),
             compilation_config=CompilationConfig(custom_ops=["none"]),
         )
-        init_single_rank_world(config)
-        built.append(config)
+        if not model_parallel_is_initialized():
+            init_single_rank_world(config)
+            owned.append(True)
         model_cls = (
             qwen3_dflash.DFlashQwen3ForCausalLM
             if method == "dflash"
@@ -370,7 +374,7 @@ def upstream_model(tmp_path, monkeypatch):
         return draft, target, load(torch.float32), bf16
 
     yield make
-    if built:
+    if owned:
         destroy_model_parallel()
         destroy_distributed_environment()
 
