@@ -156,6 +156,13 @@ def proposal(engine) -> torch.Tensor:
     return engine.propose(batch).logits
 
 
+def cpu_engine(draft: Path, target: Path) -> ProductionEngine:
+    """The production engine of the checkpoints on CPU, not loaded."""
+    return ProductionEngine.from_checkpoints(
+        LIMITS, str(draft), str(target), torch.device("cpu")
+    )
+
+
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_checkpoint_config_gives_the_draft_shape(tmp_path, method):
     draft, _ = write_checkpoints(tmp_path, method)
@@ -165,9 +172,7 @@ def test_checkpoint_config_gives_the_draft_shape(tmp_path, method):
 
 
 def assert_drafts_as_the_reference(draft: Path, target: Path, method: str) -> None:
-    production = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    production = cpu_engine(draft, target)
     reference = BF16HeadsReference(LIMITS, REFERENCE[method], torch.device("cpu"))
     torch.testing.assert_close(proposal(production), proposal(reference))
 
@@ -214,9 +219,7 @@ def test_draft_weights_that_do_not_fit_the_shape_are_refused_by_name(
     tensors = load_file(str(draft / "model.safetensors"))
     edit(tensors)
     save_file(tensors, str(draft / "model.safetensors"))
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match=error):
         engine.load()
 
@@ -227,9 +230,7 @@ def test_a_target_without_an_lm_head_ties_it_to_the_embedding(tmp_path):
         "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
     }
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     heads = engine.host_weights()
     assert torch.equal(heads["lm_head"], heads["embed"])
 
@@ -371,9 +372,7 @@ def test_a_bad_mask_embedding_file_is_refused_before_loading(tmp_path, content, 
         path.write_bytes(content)
     else:
         torch.save(content, path)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match=reason):
         engine.load()
     assert not hasattr(engine, "w")
@@ -389,9 +388,7 @@ def test_a_rope_style_written_as_one_or_zero_is_read_as_true_or_false(
 
 def test_attention_biases_the_checkpoint_lacks_are_refused_by_name(tmp_path):
     draft, target = write_checkpoints(tmp_path, "dflash", attention_bias=True)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match=r"lacks \['wk_bias', 'wo_bias'"):
         engine.load()
 
@@ -486,9 +483,7 @@ def test_a_draft_tensor_the_engine_cannot_place_is_refused(tmp_path, extra):
     tensors = load_file(str(draft / "model.safetensors"))
     tensors[extra] = torch.ones(4)
     save_file(tensors, str(draft / "model.safetensors"))
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match="cannot place"):
         engine.load()
 
@@ -526,9 +521,7 @@ def test_absolute_index_path_is_refused(tmp_path):
 
 def test_target_heads_are_read_as_bf16_from_the_index(tmp_path):
     draft, target = write_checkpoints(tmp_path, "dflash")
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     heads = engine._target_heads({"embed", "lm_head"})
     assert {name: t.dtype for name, t in heads.items()} == {
         "embed": torch.bfloat16,
@@ -552,9 +545,7 @@ def test_a_tensor_of_no_elements_loads_as_an_empty_tensor(tmp_path):
 
 def test_production_memory_plan_counts_gqa_kv_heads(tmp_path):
     draft, target = write_checkpoints(tmp_path, "dflash", num_key_value_heads=1)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     blocks = 1 + 4 * (32 // 16 + 1)
     assert engine.memory_plan().kv_bytes == 2 * 2 * blocks * 16 * 1 * 8 * 4
 
@@ -786,9 +777,7 @@ def test_scaled_rope_shorter_than_the_model_length_is_refused(tmp_path):
     )
     # Linear scaling's table covers factor x max_position_embeddings.
     with pytest.raises(CheckpointError, match="covers 128 positions.* 4096"):
-        ProductionEngine.from_checkpoints(
-            LIMITS, str(draft), str(target), torch.device("cpu")
-        )
+        cpu_engine(draft, target)
 
 
 def write_reduced_vocabulary(draft: Path, ids: torch.Tensor) -> None:
@@ -814,9 +803,7 @@ def write_reduced_vocabulary(draft: Path, ids: torch.Tensor) -> None:
 def test_a_draft_to_target_map_off_the_vocabulary_is_refused(tmp_path, ids, reason):
     draft, target = write_checkpoints(tmp_path, "dflash")
     write_reduced_vocabulary(draft, ids)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match=reason):
         engine.load()
 
@@ -829,9 +816,7 @@ def test_a_reduced_vocabulary_without_d2t_drafts_the_first_ids_as_upstream(
     tensors = load_file(str(draft / "model.safetensors"))
     del tensors["d2t"]
     save_file(tensors, str(draft / "model.safetensors"))
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     engine.load()
     assert torch.equal(engine.w["draft_to_target"], torch.arange(5))
 
@@ -842,18 +827,14 @@ def test_a_d2t_of_another_length_is_refused_by_its_name(tmp_path):
     tensors = load_file(str(draft / "model.safetensors"))
     tensors["d2t"] = tensors["d2t"][:4].contiguous()
     save_file(tensors, str(draft / "model.safetensors"))
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match=r"d2t must hold one integer per draft"):
         engine.load()
 
 
 def test_a_reduced_vocabulary_draft_without_its_lm_head_is_refused(tmp_path):
     draft, target = write_checkpoints(tmp_path, "dflash", draft_vocab_size=3)
-    engine = ProductionEngine.from_checkpoints(
-        LIMITS, str(draft), str(target), torch.device("cpu")
-    )
+    engine = cpu_engine(draft, target)
     with pytest.raises(CheckpointError, match="must ship its lm_head"):
         engine.load()
 

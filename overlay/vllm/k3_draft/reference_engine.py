@@ -640,22 +640,22 @@ class TorchDraftEngine(DraftEngine):
         host[0, :count] = positions
         host[1, :count] = self.cache.index(slots, positions)
         host[2, :count] = kv_index
-        graph = None
+        # The pass runs over ``size`` rows: ``count`` and padding rows.
+        size, graph = count, None
         if self._context_graphs:
-            padded = padded_batch_size(self._context_sizes, count)
-            self._pad_context(count, padded)
-            graph = self._context_graphs[padded]
-            count = padded
-        self._context_in[:, :count].copy_(host[:, :count], non_blocking=True)
+            size = padded_batch_size(self._context_sizes, count)
+            self._pad_context(count, size)
+            graph = self._context_graphs[size]
+        self._context_in[:, :size].copy_(host[:, :size], non_blocking=True)
         if self.device.type == "cuda":
-            staged = self._host_rows[: rows.shape[0]]
+            staged = self._host_rows[:count]
             staged.copy_(rows)
             rows = staged
-        self._rows_in[: rows.shape[0]].copy_(rows, non_blocking=True)
+        self._rows_in[:count].copy_(rows, non_blocking=True)
         if graph is not None:
             graph.replay()
         else:
-            self._context(count)
+            self._context(size)
 
     def _pad_context(self, start: int, end: int | None = None) -> None:
         """Host context rows ``[start, end)`` made padding rows."""
