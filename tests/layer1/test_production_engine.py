@@ -45,6 +45,16 @@ REFERENCE = {
         num_heads=2,
         seed=4,
     ),
+    # Kimi-K3's MLA DSpark draft.
+    "mla": ReferenceModelConfig(
+        "dspark",
+        vocab_size=256,
+        context_width=TARGET_HIDDEN * 3,
+        hidden_size=16,
+        num_heads=2,
+        seed=5,
+        latent=True,
+    ),
 }
 _LAYER_NAMES = {
     "input_norm": "input_layernorm.weight",
@@ -66,6 +76,27 @@ _GLOBAL_NAMES = {
     "markov_w1": "markov_head.markov_w1.weight",
     "markov_w2": "markov_head.markov_w2.weight",
 }
+_MLA_LAYER_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "wq_a": "self_attn.q_a_proj.weight",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "wq_b": "self_attn.q_b_proj.weight",
+    "wkv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "wkv_b": "self_attn.kv_b_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_MLA_GLOBAL_NAMES = {
+    "fc": "context_proj.weight",
+    "hidden_norm": "context_norm.weight",
+    "final_norm": "final_norm.weight",
+    "markov_w1": "markov_head.markov_w1.weight",
+    "markov_w2": "markov_head.markov_w2.weight",
+}
 
 
 class BF16HeadsReference(ReferenceEngine):
@@ -81,24 +112,30 @@ class BF16HeadsReference(ReferenceEngine):
 
 def write_checkpoints(root: Path, method: str, **config_overrides) -> tuple[Path, Path]:
     """Draft (single file) and target (two shards + index) checkpoints holding
-    the reference draft's weights in upstream's names."""
+    the reference draft's weights in upstream's names; ``method`` "dflash",
+    "dspark" (Qwen3) or "mla" (Kimi-K3's MLA DSpark)."""
     model = REFERENCE[method]
     weights = BF16HeadsReference(LIMITS, model, torch.device("cpu")).host_weights()
     draft, target = root / "draft", root / "target"
     draft.mkdir()
     target.mkdir()
+    layer_names, global_names = (
+        (_MLA_LAYER_NAMES, _MLA_GLOBAL_NAMES)
+        if method == "mla"
+        else (_LAYER_NAMES, _GLOBAL_NAMES)
+    )
     tensors = {}
     for name, value in weights.items():
-        if name in _LAYER_NAMES:
+        if name in layer_names:
             for layer in range(model.num_layers):
-                tensors[f"layers.{layer}.{_LAYER_NAMES[name]}"] = value[
+                tensors[f"layers.{layer}.{layer_names[name]}"] = value[
                     layer
                 ].contiguous()
-        elif name in _GLOBAL_NAMES:
-            tensors[_GLOBAL_NAMES[name]] = value.contiguous()
+        elif name in global_names:
+            tensors[global_names[name]] = value.contiguous()
     save_file(tensors, str(draft / "model.safetensors"))
     architecture = "DFlashDraftModel" if method == "dflash" else "Qwen3DSparkModel"
-    config = {
+    config: dict[str, object] = {
         "architectures": [architecture],
         "model_type": "qwen3",
         "hidden_size": model.hidden_size,
@@ -118,6 +155,30 @@ def write_checkpoints(root: Path, method: str, **config_overrides) -> tuple[Path
         **({"markov_rank": 16} if method == "dspark" else {}),
         **config_overrides,
     }
+    if method == "mla":
+        head = model.hidden_size // model.num_heads
+        config = {
+            "architectures": ["K3DSparkModel"],
+            "model_type": "k3_dspark",
+            "hidden_size": model.hidden_size,
+            "num_hidden_layers": model.num_layers,
+            "num_attention_heads": model.num_heads,
+            "q_lora_rank": model.hidden_size // 2,
+            "kv_lora_rank": model.hidden_size // 2,
+            "qk_nope_head_dim": head,
+            "qk_rope_head_dim": head // 2,
+            "v_head_dim": head,
+            "intermediate_size": 2 * model.hidden_size,
+            "vocab_size": model.vocab_size,
+            "target_hidden_size": TARGET_HIDDEN,
+            "num_target_layers": len(AUX_LAYERS),
+            "target_layer_ids": [i - 1 for i in AUX_LAYERS],
+            "mask_token_id": model.vocab_size - 1,
+            "markov_rank": 16,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            **config_overrides,
+        }
     (draft / "config.json").write_text(json.dumps(config))
     save_file(
         {"model.embed_tokens.weight": weights["embed"].bfloat16()},
@@ -163,7 +224,7 @@ def cpu_engine(draft: Path, target: Path) -> ProductionEngine:
     )
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "mla"])
 def test_checkpoint_config_gives_the_draft_shape(tmp_path, method):
     draft, _ = write_checkpoints(tmp_path, method)
     checkpoint = DraftCheckpoint.from_dir(draft)
@@ -177,7 +238,7 @@ def assert_drafts_as_the_reference(draft: Path, target: Path, method: str) -> No
     torch.testing.assert_close(proposal(production), proposal(reference))
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "mla"])
 def test_production_engine_matches_the_same_weights_in_the_reference(tmp_path, method):
     assert_drafts_as_the_reference(*write_checkpoints(tmp_path, method), method)
 
@@ -848,3 +909,66 @@ def test_a_draft_vocabulary_above_the_vocabulary_is_refused(tmp_path):
 def test_dflash_ignores_a_dspark_top_k_as_upstream_does(tmp_path):
     draft, _ = write_checkpoints(tmp_path, "dflash", dspark_draft_topk=4)
     assert DraftCheckpoint.from_dir(draft).shape.draft_topk is None
+
+
+def test_an_mla_draft_drafts_with_the_targets_heads_though_it_ships_its_own(
+    tmp_path,
+):
+    # Upstream's MLA loader drops the draft's embedding and LM head and
+    # shares the target's.
+    draft, target = write_checkpoints(tmp_path, "mla")
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["embed_tokens.weight"] = torch.ones(256, 16)
+    tensors["lm_head.weight"] = torch.ones(256, 16)
+    save_file(tensors, str(draft / "model.safetensors"))
+    assert_drafts_as_the_reference(draft, target, "mla")
+
+
+def test_mla_draft_names_take_no_model_prefix_as_upstreams_loader(tmp_path):
+    # Upstream's mapper prefixes every name with "model.": a prefixed name
+    # would not load there.
+    draft, target = write_checkpoints(tmp_path, "mla")
+    tensors = load_file(str(draft / "model.safetensors"))
+    save_file(
+        {f"model.{name}": value for name, value in tensors.items()},
+        str(draft / "model.safetensors"),
+    )
+    with pytest.raises(CheckpointError, match="cannot place"):
+        cpu_engine(draft, target).load()
+
+
+def test_an_mla_config_is_read_with_upstreams_defaults(tmp_path):
+    # K3DSparkConfig's RoPE base when the file has none.
+    draft, _ = write_checkpoints(tmp_path, "mla", rope_theta=None)
+    config = json.loads((draft / "config.json").read_text())
+    del config["rope_theta"]
+    (draft / "config.json").write_text(json.dumps(config))
+    assert DraftCheckpoint.from_dir(draft).shape.rope_theta == 50000.0
+
+
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        # Upstream's MLA draft has no gathered Markov bias.
+        ({"dspark_draft_topk": 8}, "MLA DSpark draft checkpoint: dspark_draft_topk"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"sample_from_anchor": False}, "unsupported DSpark head"),
+        # A context width other than the one upstream's context_proj reads.
+        (
+            {"eagle_aux_hidden_state_layer_ids": [1, 3]},
+            r"aux layers \[1, 3\], its context_proj reads num_target_layers 3",
+        ),
+        ({"target_hidden_size": None}, "target_hidden_size must be a positive"),
+        # K3DSparkConfig's own refusals.
+        ({"mla_use_nope": True}, "upstream cannot read .*mla_use_nope"),
+        ({"q_lora_rank": None}, "upstream cannot read .*q_lora_rank=None"),
+        ({"draft_vocab_size": 128}, "upstream cannot read .*draft_vocab_size"),
+        ({"num_target_layers": 2}, "upstream cannot read .*num_target_layers"),
+    ],
+)
+def test_unsupported_mla_checkpoints_are_refused_with_the_reason(
+    tmp_path, override, reason
+):
+    draft, _ = write_checkpoints(tmp_path, "mla", **override)
+    with pytest.raises(CheckpointError, match=reason):
+        DraftCheckpoint.from_dir(draft)

@@ -30,8 +30,12 @@ LIMITS = DraftLimits(
 WIDTH = 48
 
 
-def make_engine(seed=0, method="dflash", device="cpu", graphs=False) -> ReferenceEngine:
-    model = ReferenceModelConfig(method=method, context_width=WIDTH, seed=seed)
+def make_engine(
+    seed=0, method="dflash", device="cpu", graphs=False, latent=False
+) -> ReferenceEngine:
+    model = ReferenceModelConfig(
+        method=method, context_width=WIDTH, seed=seed, latent=latent
+    )
     engine = ReferenceEngine(LIMITS, model, torch.device(device), graphs)
     engine.load()
     engine.capture_cuda_graphs()
@@ -66,6 +70,8 @@ def first(engine: ReferenceEngine, context: torch.Tensor, k: int = 3):
 
 
 SHAPE = ReferenceModelConfig(context_width=WIDTH).shape()
+# Grouped-query (Qwen3) or multi-head latent (MLA) attention.
+ATTENTIONS = pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
 
 
 def test_query_heads_must_be_a_multiple_of_the_kv_heads():
@@ -123,35 +129,41 @@ def test_dspark_biases_each_draft_by_the_markov_row_of_the_token_before_it():
     assert not torch.equal(after.logits[:, 1], before.logits[:, 1])
 
 
-def test_drafts_depend_on_relative_positions_only():
+@ATTENTIONS
+def test_drafts_depend_on_relative_positions_only(latent):
     # RoPE on queries and context keys alike: the same rows 100 positions
     # later draft the same logits.
     context = rows(20, 2)
-    at_0 = first(make_engine(), context)
-    later = make_engine().propose(batch([0], [100], [120], [20], context))
+    at_0 = first(make_engine(latent=latent), context)
+    later = make_engine(latent=latent).propose(batch([0], [100], [120], [20], context))
     torch.testing.assert_close(later.logits, at_0.logits, atol=1e-4, rtol=1e-4)
 
 
-def test_context_outside_the_window_does_not_matter():
+@ATTENTIONS
+def test_context_outside_the_window_does_not_matter(latent):
     tail = rows(32, 3)
     old_a = torch.cat((rows(40, 4), tail))
     old_b = torch.cat((rows(40, 5), tail))
-    a, b = first(make_engine(), old_a), first(make_engine(), old_b)
+    a, b = (
+        first(make_engine(latent=latent), old_a),
+        first(make_engine(latent=latent), old_b),
+    )
     assert torch.equal(a.logits, b.logits)
 
 
-def test_context_inside_the_window_matters():
-    a = first(make_engine(), torch.cat((rows(1, 6), rows(31, 3))))
-    b = first(make_engine(), torch.cat((rows(1, 7), rows(31, 3))))
+@ATTENTIONS
+def test_context_inside_the_window_matters(latent):
+    a = first(make_engine(latent=latent), torch.cat((rows(1, 6), rows(31, 3))))
+    b = first(make_engine(latent=latent), torch.cat((rows(1, 7), rows(31, 3))))
     assert not torch.equal(a.logits, b.logits)
 
 
-def assert_drafts_as_if_fresh_from_15(previous: torch.Tensor) -> None:
+def assert_drafts_as_if_fresh_from_15(previous: torch.Tensor, latent: bool) -> None:
     """After ``previous`` filled positions [0, 20) of slot 0, a request valid
     from 15 drafts exactly as on a fresh engine."""
-    engine = make_engine()
+    engine = make_engine(latent=latent)
     engine.propose(batch([0], [0], [20], [20], previous))
-    fresh = make_engine()
+    fresh = make_engine(latent=latent)
     context = rows(5, 9)
     a = engine.propose(batch([0], [15], [20], [5], context))
     b = fresh.propose(batch([0], [15], [20], [5], context))
@@ -159,15 +171,19 @@ def assert_drafts_as_if_fresh_from_15(previous: torch.Tensor) -> None:
     assert torch.equal(a.logits, b.logits)
 
 
-def test_positions_before_the_valid_start_are_ignored():
-    assert_drafts_as_if_fresh_from_15(rows(20, 8))
+@ATTENTIONS
+def test_positions_before_the_valid_start_are_ignored(latent):
+    assert_drafts_as_if_fresh_from_15(rows(20, 8), latent)
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3.0e38])
-def test_a_previous_owners_non_finite_kv_does_not_reach_the_next(poison):
+@ATTENTIONS
+def test_a_previous_owners_non_finite_kv_does_not_reach_the_next(poison, latent):
     # NaN/inf KV below the next request's start (3e38 overflows to inf in the
     # projections).
-    assert_drafts_as_if_fresh_from_15(torch.full((20, WIDTH), poison).bfloat16())
+    assert_drafts_as_if_fresh_from_15(
+        torch.full((20, WIDTH), poison).bfloat16(), latent
+    )
 
 
 def rows_at(first: int, end: int) -> torch.Tensor:
@@ -181,12 +197,13 @@ def rows_at(first: int, end: int) -> torch.Tensor:
     ).bfloat16()
 
 
-def test_rewind_after_one_long_context_matches_an_incremental_build():
+@ATTENTIONS
+def test_rewind_after_one_long_context_matches_an_incremental_build(latent):
     # One PROPOSE of 100 rows, then a rewind by a block (the server's limit).
-    engine = make_engine()
+    engine = make_engine(latent=latent)
     engine.propose(batch([0], [0], [100], [100], rows_at(0, 100)))
     rewound = engine.propose(batch([0], [0], [85], [1], rows_at(84, 85)))
-    fresh = make_engine()
+    fresh = make_engine(latent=latent)
     for first, end in ((0, 32), (32, 64), (64, 85)):
         built = fresh.propose(
             batch([0], [0], [end], [end - first], rows_at(first, end))
@@ -196,27 +213,33 @@ def test_rewind_after_one_long_context_matches_an_incremental_build():
     torch.testing.assert_close(rewound.logits, built.logits, rtol=0, atol=1e-4)
 
 
-def test_rewind_after_restore_matches_a_request_of_the_restored_positions():
-    engine = make_engine()
+@ATTENTIONS
+def test_rewind_after_restore_matches_a_request_of_the_restored_positions(latent):
+    engine = make_engine(latent=latent)
     for first, end in ((0, 32), (32, 64), (64, 96), (96, 100)):
         engine.propose(batch([0], [0], [end], [end - first], rows_at(first, end)))
     engine.restore(0, 1, 64, 100)
     rewound = engine.propose(batch([1], [64], [85], [1], rows_at(84, 85)))
-    fresh = make_engine()
+    fresh = make_engine(latent=latent)
     built = fresh.propose(batch([1], [64], [85], [21], rows_at(64, 85)))
     assert rewound.logits is not None and built.logits is not None
     torch.testing.assert_close(rewound.logits, built.logits, rtol=0, atol=1e-4)
 
 
-def test_restore_rebuilds_the_same_kv_in_another_slot():
-    engine = make_engine()
+@ATTENTIONS
+def test_restore_rebuilds_the_same_kv_in_another_slot(latent):
+    engine = make_engine(latent=latent)
     engine.propose(batch([0], [0], [50], [50], rows(50, 10)))
     engine.restore(0, 2, 16, 50)
     geometry = engine.geometry
     positions = torch.arange(16, 50)
     src = geometry.slot_mapping(torch.zeros_like(positions), positions)
     dst = geometry.slot_mapping(torch.full_like(positions, 2), positions)
-    torch.testing.assert_close(engine.kv[:, :, dst], engine.kv[:, :, src])
+    # [layer, position, latent] or [layer, K/V, position, head, dim].
+    dim = 1 if latent else 2
+    torch.testing.assert_close(
+        engine.kv.index_select(dim, dst), engine.kv.index_select(dim, src)
+    )
 
 
 def test_memory_plan_counts_kv_of_every_block():
@@ -227,12 +250,26 @@ def test_memory_plan_counts_kv_of_every_block():
     assert engine.memory_plan().kv_bytes == 2 * 2 * blocks * 16 * 64 * 4
 
 
-def test_memory_plan_counts_the_bytes_load_allocates():
+def test_a_latent_draft_caches_one_latent_per_layer_and_position():
+    engine = ReferenceEngine(
+        LIMITS,
+        ReferenceModelConfig(context_width=WIDTH, latent=True),
+        torch.device("cpu"),
+    )
+    blocks = 1 + 4 * (32 // 16 + 1)
+    # kv_lora_rank 32 + qk_rope_head_dim 8 values, float32.
+    assert engine.memory_plan().kv_bytes == 2 * blocks * 16 * (32 + 8) * 4
+
+
+@ATTENTIONS
+def test_memory_plan_counts_the_bytes_load_allocates(latent):
     # More retained requests (6) than batch rows (4): K/V and a cache ring
     # per retained request.
     limits = dataclasses.replace(LIMITS, max_requests=6)
     engine = ReferenceEngine(
-        limits, ReferenceModelConfig(context_width=WIDTH), torch.device("cpu")
+        limits,
+        ReferenceModelConfig(context_width=WIDTH, latent=latent),
+        torch.device("cpu"),
     )
     engine.load()
     plan = engine.memory_plan()
@@ -312,9 +349,10 @@ def test_memory_plan_total_is_the_sum_of_its_parts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_cuda_graph_replay_matches_eager(method):
-    eager = make_engine(method=method, device="cuda")
-    graphed = make_engine(method=method, device="cuda", graphs=True)
+@ATTENTIONS
+def test_cuda_graph_replay_matches_eager(method, latent):
+    eager = make_engine(method=method, device="cuda", latent=latent)
+    graphed = make_engine(method=method, device="cuda", graphs=True, latent=latent)
     assert len(graphed._graphs) == len(graph_batch_sizes(4)) * 4
     # Every captured (batch bucket, depth), a padded bucket (3 -> 4) too.
     for n in (1, 2, 3, 4):
@@ -328,12 +366,13 @@ def test_cuda_graph_replay_matches_eager(method):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphed_context_pass_keeps_only_the_rows_eager_keeps():
+@ATTENTIONS
+def test_graphed_context_pass_keeps_only_the_rows_eager_keeps(latent):
     # 100 and 70 rows: past the context cache's budget (64) and the KV
     # window's reach (48), so rows are dropped from both; 170 rows run
     # padded to 256. A second step then reads what the first one kept.
-    eager = make_engine(device="cuda")
-    graphed = make_engine(device="cuda", graphs=True)
+    eager = make_engine(device="cuda", latent=latent)
+    graphed = make_engine(device="cuda", graphs=True, latent=latent)
     ends, counts = [100, 70], [100, 70]
     context = torch.cat([rows(c, 40 + i) for i, c in enumerate(counts)])
     steps = [([0, 0], ends, counts, context)]

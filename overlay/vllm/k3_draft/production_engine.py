@@ -3,8 +3,9 @@
 """Production draft engine: a DFlash or DSpark checkpoint served by the torch
 draft engine (``reference_engine.TorchDraftEngine``).
 
-The draft checkpoint is the Qwen3 draft format that upstream's
-``qwen3_dflash.py`` / ``qwen3_dspark.py`` load (``config.json`` plus
+The draft checkpoint is a Qwen3 draft that upstream's ``qwen3_dflash.py`` /
+``qwen3_dspark.py`` load, or Kimi-K3's MLA DSpark draft that
+``models/kimi_k3/nvidia/dspark_mla.py`` loads (``config.json`` plus
 safetensors, optionally with ``model.safetensors.index.json``). Upstream's own
 config helpers resolve the parallel-drafting (mask) token id and the target's
 aux layers, which set the context width (target hidden size x aux layers).
@@ -20,8 +21,12 @@ vocabulary (``draft_vocab_size`` with ``d2t``; the draft ships its LM head),
 ``logit_scale``, ``dflash_config.attention_value_scale``, DFlash's separate
 mask embedding (``mask_embedding.pt``), DSpark with ``sample_from_anchor``
 and a vanilla Markov head (on every logit or on ``dspark_draft_topk``).
-Other variants are refused with the reason at start-up rather than served
-wrongly.
+The MLA draft (``K3DSparkModel``) is read through upstream's
+``K3DSparkConfig`` (its defaults and its own refusals) and always drafts with
+the target's embedding and LM head, as upstream shares them; its RoPE is
+upstream's table for any scaling, applied interleaved as upstream's fused MLA
+kernels apply it, and DeepSeek YaRN scales its softmax. Other variants are
+refused with the reason at start-up rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -40,7 +45,11 @@ import torch
 
 from vllm.k3_draft.engine import DraftLimits
 from vllm.k3_draft.log import init_logger
-from vllm.k3_draft.reference_engine import DraftShape, TorchDraftEngine
+from vllm.k3_draft.reference_engine import (
+    DraftShape,
+    LatentAttention,
+    TorchDraftEngine,
+)
 
 logger = init_logger(__name__)
 
@@ -63,7 +72,10 @@ DRAFT_ARCHITECTURES = {
     "DFlashMuseGlimmerAssistantModel": "dflash",
     "Qwen3DSparkModel": "dspark",
     "Qwen3OmniDSparkModel": "dspark",
+    "K3DSparkModel": "dspark",
 }
+# Drafts with multi-head latent attention.
+LATENT_ARCHITECTURES = frozenset({"K3DSparkModel"})
 # Qwen3-Omni targets keep their text model under ``thinker.``.
 TARGET_EMBED_NAMES = (
     "model.embed_tokens.weight",
@@ -80,6 +92,9 @@ TARGET_LM_HEAD_NAMES = (
 # vocabulary map) or loads without drafting with them (DSpark's confidence
 # head), by substring as upstream matches them.
 _SKIPPED_WEIGHTS = {"dflash": ("t2d",), "dspark": ("t2d", "confidence_head")}
+# The MLA draft's loader drops its confidence head (or loads it without
+# drafting with it) and any embedding or LM head: the target's are shared.
+_LATENT_SKIPPED_WEIGHTS = ("confidence_head", "embed_tokens", "lm_head")
 _LAYER_WEIGHTS = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -107,6 +122,27 @@ _GLOBAL_WEIGHTS = {
     "markov_head.markov_w2.weight": "markov_w2",
     # Offsets: the vocabulary id of draft id i is i + d2t[i].
     "d2t": "draft_to_target",
+}
+_LATENT_LAYER_WEIGHTS = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_a_proj.weight": "wq_a",
+    "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "wq_b",
+    "self_attn.kv_a_proj_with_mqa.weight": "wkv_a",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm",
+    "self_attn.kv_b_proj.weight": "wkv_b",
+    "self_attn.o_proj.weight": "wo",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+_LATENT_GLOBAL_WEIGHTS = {
+    "context_proj.weight": "fc",
+    "context_norm.weight": "hidden_norm",
+    "final_norm.weight": "final_norm",
+    "markov_head.markov_w1.weight": "markov_w1",
+    "markov_head.markov_w2.weight": "markov_w2",
 }
 # Checkpoint-name aliases upstream's DFlash loader maps as well.
 _ALIASES = (
@@ -278,6 +314,16 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         raise CheckpointError("unsupported draft checkpoint: " + ", ".join(reasons))
 
 
+def _check_dspark_head(config: dict[str, Any]) -> None:
+    """Refuses a DSpark head other than upstream's default: anchor-first,
+    with a vanilla Markov head."""
+    if (
+        not config.get("sample_from_anchor", True)
+        or config.get("markov_head_type", "vanilla") != "vanilla"
+    ):
+        raise CheckpointError("unsupported DSpark head (needs sample_from_anchor)")
+
+
 def _custom_op_context() -> contextlib.AbstractContextManager[Any]:
     """The current vLLM config that upstream's ``CustomOp`` layers read when
     they are made (a RoPE module here, on CPU)."""
@@ -286,29 +332,35 @@ def _custom_op_context() -> contextlib.AbstractContextManager[Any]:
     return set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu")))
 
 
-def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
-    """Upstream's rotary embedding of the draft in ``root``, float32 on CPU,
-    built as its DFlash/DSpark attention builds it: ``get_rope`` of the
-    config vLLM reads (RoPE parameters standardised), at the config's
-    ``max_position_embeddings``. Refused unless it applies its
-    ``cos_sin_cache`` as ``RotaryEmbedding`` does (default, linear, dynamic,
-    YaRN, Llama 3 scaling and the like), the form the torch engine runs."""
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
+def _upstream_config(root: Path) -> Any:
+    """The draft config in ``root`` as vLLM reads it (``get_config``: its
+    config class, defaults and checks)."""
     from vllm.transformers_utils.config import get_config
 
     try:
-        hf_config = get_config(root, trust_remote_code=False)
+        return get_config(root, trust_remote_code=False)
     except Exception as exc:  # upstream's config checks, any type
         raise CheckpointError(
             f"upstream cannot read {root / 'config.json'}: {_first_line(exc)}"
         ) from None
-    rope_parameters = hf_config.rope_parameters
+
+
+def _get_rope(
+    head_dim: int,
+    max_position: int,
+    rope_parameters: dict[str, Any] | None,
+    neox: bool,
+) -> Any:
+    """Upstream's ``get_rope`` in float32 on CPU; ``CheckpointError`` if it
+    cannot build the embedding."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
     rope_type = (rope_parameters or {}).get("rope_type", "default")
     try:
         with _custom_op_context():
-            rope = get_rope(
+            return get_rope(
                 head_dim,
-                max_position=hf_config.max_position_embeddings,
+                max_position=max_position,
                 is_neox_style=neox,
                 rope_parameters=rope_parameters,
                 dtype=torch.float32,
@@ -317,6 +369,21 @@ def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
         raise CheckpointError(
             f"unsupported draft checkpoint: RoPE {rope_type!r} ({_first_line(exc)})"
         ) from None
+
+
+def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
+    """Upstream's rotary embedding of the Qwen3 draft in ``root``, built as
+    its DFlash/DSpark attention builds it: ``get_rope`` of the config vLLM
+    reads (RoPE parameters standardised), at the config's
+    ``max_position_embeddings``. Refused unless it applies its
+    ``cos_sin_cache`` as ``RotaryEmbedding`` does (default, linear, dynamic,
+    YaRN, Llama 3 scaling and the like), the form the torch engine runs."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    hf_config = _upstream_config(root)
+    rope_parameters = hf_config.rope_parameters
+    rope_type = (rope_parameters or {}).get("rope_type", "default")
+    rope = _get_rope(head_dim, hf_config.max_position_embeddings, rope_parameters, neox)
     kind = type(rope)
     if not isinstance(rope, RotaryEmbedding) or any(
         getattr(kind, name) is not getattr(RotaryEmbedding, name)
@@ -327,6 +394,36 @@ def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
             f"unsupported draft checkpoint: RoPE {rope_type!r} ({kind.__name__})"
         )
     return rope
+
+
+def _latent_rope(hf_config: Any) -> tuple[Any, float]:
+    """Upstream's rotary embedding of an MLA draft and the factor its
+    softmax scale takes, as ``MultiHeadLatentAttention`` builds them: a
+    scaled RoPE becomes DeepSeek's (Llama-style where ``attention_factor``
+    is 1, YaRN otherwise, whose ``mscale`` squared scales the softmax).
+    Upstream's fused MLA kernels rotate by its ``cos_sin_cache`` whatever
+    its class, interleaved."""
+    rope_parameters = dict(hf_config.rope_parameters)
+    if rope_parameters["rope_type"] != "default":
+        rope_parameters["rope_type"] = (
+            "deepseek_llama_scaling"
+            if rope_parameters.get("attention_factor") == 1.0
+            else "deepseek_yarn"
+        )
+    rope = _get_rope(
+        hf_config.qk_rope_head_dim,
+        hf_config.max_position_embeddings,
+        rope_parameters,
+        neox=False,
+    )
+    factor = 1.0
+    if rope_parameters["rope_type"] == "deepseek_yarn":
+        scaling = float(rope_parameters["factor"])
+        if scaling > 1:
+            mscale_all_dim = float(rope_parameters.get("mscale_all_dim", False))
+            mscale = 0.1 * mscale_all_dim * math.log(scaling) + 1.0
+            factor = mscale * mscale
+    return rope, factor
 
 
 def _first_line(exc: Exception) -> str:
@@ -470,13 +567,12 @@ class DraftCheckpoint:
                 f"architectures {architectures} name no supported DFlash/DSpark "
                 f"draft ({sorted(DRAFT_ARCHITECTURES)})"
             )
+        if architecture in LATENT_ARCHITECTURES:
+            return cls._from_latent_config(path, architecture)
         method = DRAFT_ARCHITECTURES[architecture]
         _refuse_unsupported(config)
-        if method == "dspark" and (
-            not config.get("sample_from_anchor", True)
-            or config.get("markov_head_type", "vanilla") != "vanilla"
-        ):
-            raise CheckpointError("unsupported DSpark head (needs sample_from_anchor)")
+        if method == "dspark":
+            _check_dspark_head(config)
         hf_config = SimpleNamespace(**config)
         spec_config = SimpleNamespace(
             draft_model_config=SimpleNamespace(hf_config=hf_config)
@@ -553,6 +649,84 @@ class DraftCheckpoint:
             rope=rope,
         )
 
+    @classmethod
+    def _from_latent_config(cls, path: Path, architecture: str) -> DraftCheckpoint:
+        """An MLA DSpark draft, read through upstream's config class (its
+        defaults for what the file omits, its refusals)."""
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+            get_eagle3_aux_layers_from_config,
+        )
+        from vllm.v1.worker.gpu.spec_decode.utils import (
+            get_parallel_drafting_token_id,
+        )
+
+        hf_config = _upstream_config(path)
+        config = hf_config.to_dict()
+        _check_dspark_head(config)
+        reasons = []
+        if config.get("dspark_draft_topk") is not None:
+            # Upstream's MLA draft has no gathered Markov bias.
+            reasons.append("dspark_draft_topk")
+        if config.get("hidden_act") != "silu":
+            reasons.append(f"hidden_act {config.get('hidden_act')!r}")
+        if reasons:
+            raise CheckpointError(
+                "unsupported MLA DSpark draft checkpoint: " + ", ".join(reasons)
+            )
+        spec_config = SimpleNamespace(
+            draft_model_config=SimpleNamespace(hf_config=hf_config)
+        )
+        aux_layers = get_eagle3_aux_layers_from_config(spec_config)  # type: ignore[arg-type]
+        target_layers = _config_int(config, "num_target_layers")
+        if not aux_layers or len(aux_layers) != target_layers:
+            raise CheckpointError(
+                "the draft config names target aux layers "
+                f"{list(aux_layers or ())}, its context_proj reads "
+                f"num_target_layers {target_layers}"
+            )
+        target_hidden = _config_int(config, "target_hidden_size")
+        heads = _config_int(config, "num_attention_heads")
+        geometry = {
+            key: _config_int(config, key, minimum=0 if key == "qk_nope_head_dim" else 1)
+            for key in (
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+            )
+        }
+        # After the checks above, which name the offending key.
+        rope, softmax_scale_factor = _latent_rope(hf_config)
+        latent = LatentAttention(**geometry, softmax_scale_factor=softmax_scale_factor)
+        shape = DraftShape(
+            method=DRAFT_ARCHITECTURES[architecture],
+            vocab_size=_config_int(config, "vocab_size"),
+            context_width=target_hidden * target_layers,
+            hidden_size=_config_int(config, "hidden_size"),
+            num_layers=_config_int(config, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=latent.qk_head_dim,
+            intermediate_size=_config_int(config, "intermediate_size"),
+            mask_token_id=get_parallel_drafting_token_id(hf_config),
+            markov_rank=_config_int(config, "markov_rank"),
+            rope_theta=_config_float(hf_config.rope_parameters, "rope_theta"),
+            rms_norm_eps=_config_float(config, "rms_norm_eps"),
+            neox_rope=False,
+            rotary_dim=latent.qk_rope_head_dim,
+            latent=latent,
+        )
+        return cls(
+            path,
+            architecture,
+            shape,
+            tuple(aux_layers),
+            target_hidden,
+            logit_scale=_config_float(config, "logit_scale", 1.0),
+            rope=rope,
+        )
+
     def mask_embedding(self) -> torch.Tensor | None:
         """DFlash's separately trained mask embedding (``mask_embedding.pt``,
         a tensor or ``{"embedding", "mask_token_id"}``), flat; None where
@@ -607,24 +781,39 @@ class DraftCheckpoint:
         return state.reshape(-1)
 
 
-def _engine_name(checkpoint_name: str, num_layers: int) -> tuple[str, int] | None:
-    """(engine weight name, layer or -1) of a draft checkpoint tensor name."""
-    name = checkpoint_name.removeprefix("model.")
-    for alias, replacement in _ALIASES:
-        if name.startswith(alias):
-            name = replacement + name[len(alias) :]
-    if name in _GLOBAL_WEIGHTS:
-        return _GLOBAL_WEIGHTS[name], -1
+def _engine_name(
+    checkpoint_name: str, num_layers: int, latent: bool
+) -> tuple[str, int] | None:
+    """(engine weight name, layer or -1) of a draft checkpoint tensor name:
+    a Qwen3 draft's (with upstream's aliases) or, if ``latent``, an MLA
+    draft's."""
+    if latent:
+        name, global_weights, layer_weights = (
+            checkpoint_name,
+            _LATENT_GLOBAL_WEIGHTS,
+            _LATENT_LAYER_WEIGHTS,
+        )
+    else:
+        name, global_weights, layer_weights = (
+            checkpoint_name.removeprefix("model."),
+            _GLOBAL_WEIGHTS,
+            _LAYER_WEIGHTS,
+        )
+        for alias, replacement in _ALIASES:
+            if name.startswith(alias):
+                name = replacement + name[len(alias) :]
+    if name in global_weights:
+        return global_weights[name], -1
     parts = name.split(".", 2)
     if (
         len(parts) == 3
         and parts[0] == "layers"
         and parts[1].isdigit()
-        and parts[2] in _LAYER_WEIGHTS
+        and parts[2] in layer_weights
     ):
         layer = int(parts[1])
         if 0 <= layer < num_layers:
-            return _LAYER_WEIGHTS[parts[2]], layer
+            return layer_weights[parts[2]], layer
     return None
 
 
@@ -694,9 +883,10 @@ class ProductionEngine(TorchDraftEngine):
         per_layer: dict[str, list[torch.Tensor | None]] = {}
         weights: dict[str, torch.Tensor] = {}
         unknown = []
-        skipped = _SKIPPED_WEIGHTS[shape.method]
+        latent = shape.latent is not None
+        skipped = _LATENT_SKIPPED_WEIGHTS if latent else _SKIPPED_WEIGHTS[shape.method]
         for name in checkpoint.names():
-            mapped = _engine_name(name, shape.num_layers)
+            mapped = _engine_name(name, shape.num_layers, latent)
             if mapped is None or mapped[0] not in expected:
                 if not any(part in name for part in skipped):
                     unknown.append(name)

@@ -15,6 +15,13 @@ attend to no context), and the context pass of every row bucket (rows padded
 with rows that write only the context cache's scratch row and the reserved
 KV block 0); a RECONNECT's restore runs eagerly.
 
+The attention is grouped-query (Qwen3: per-layer K/V cached per position)
+or, for a ``DraftShape`` with ``latent`` geometry, DeepSeek's multi-head latent
+attention (Kimi-K3's MLA DSpark draft): per layer and position one latent
+``[norm(kv_c) | rope(k_pe)]`` is cached, and the query block attends in latent
+space (``q_nope`` absorbed by ``kv_b_proj``'s key half, the output expanded by
+its value half), as upstream's MLA decode path runs it.
+
 ``ReferenceEngine`` is a small such draft with random weights, deterministic
 given the seed: what tests and the GPU qualification drive. The production
 engine (``production_engine``) loads real checkpoints into the same code.
@@ -25,6 +32,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +60,45 @@ _NO_CONTEXT = 1 << 62
 _MAX_NUMEL = 2**63 - 1
 # The weight mapping draft ids to vocabulary ids (int64).
 _ID_MAP = "draft_to_target"
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Geometry of multi-head latent attention (DeepSeek MLA with a q-LoRA):
+    queries ``q_b(norm(q_a(h)))`` of ``qk_nope_head_dim + qk_rope_head_dim``
+    per head; keys and values from one latent ``kv_c`` (``kv_lora_rank``,
+    normed) and one shared RoPE key ``k_pe`` (``qk_rope_head_dim``), expanded
+    per head by ``kv_b`` into ``qk_nope_head_dim`` key and ``v_head_dim``
+    value dimensions. The softmax scale is ``(qk_nope_head_dim +
+    qk_rope_head_dim) ** -0.5`` times ``softmax_scale_factor`` (DeepSeek
+    YaRN's ``mscale`` squared)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.qk_nope_head_dim < 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(
+                "qk_nope_head_dim must be non-negative, qk_rope_head_dim even"
+            )
+        if not 0 < self.softmax_scale_factor < math.inf:
+            raise ValueError("softmax_scale_factor must be positive and finite")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values cached per layer and position: ``[kv_c | k_pe]``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -86,6 +133,10 @@ class DraftShape:
     draft_topk: int | None = None
     # Biases on the Q/K/V and output projections.
     attention_bias: bool = False
+    # Multi-head latent attention instead of grouped-query attention: then
+    # ``head_dim`` is its ``qk_head_dim``, ``num_kv_heads`` is ``num_heads``
+    # and RoPE (interleaved) rotates the ``qk_rope_head_dim`` dimensions.
+    latent: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "dspark"):
@@ -124,6 +175,18 @@ class DraftShape:
             raise ValueError(
                 f"rotary_dim {self.rotary_dim} must be even and within head_dim"
             )
+        latent = self.latent
+        if latent is not None and (
+            self.head_dim != latent.qk_head_dim
+            or self.num_kv_heads != self.num_heads
+            or self.rotary_width != latent.qk_rope_head_dim
+            or self.neox_rope
+            or self.attention_bias
+        ):
+            raise ValueError(
+                "a latent-attention draft has head_dim qk_head_dim, a KV head "
+                "per head, interleaved RoPE on qk_rope_head_dim and no biases"
+            )
         if (self.method == "dspark") != (self.markov_rank > 0):
             raise ValueError("a DSpark draft (only) has a Markov head rank")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -146,13 +209,19 @@ class DraftShape:
         """Dimensions of a head that RoPE rotates."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    @property
+    def kv_width(self) -> int:
+        """Values cached per layer and position."""
+        if self.latent is not None:
+            return self.latent.cache_width
+        return 2 * self.num_kv_heads * self.head_dim
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Engine weight names -> shapes (per-layer weights stacked). All are
         floating point but ``draft_to_target`` (int64: the vocabulary id of
         each draft id)."""
         h, v, layers = self.hidden_size, self.vocab_size, self.num_layers
         draft_v = self.draft_vocab
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         inter = self.intermediate_size
         shapes: dict[str, tuple[int, ...]] = {
             "embed": (v, h),
@@ -167,29 +236,53 @@ class DraftShape:
             shapes["markov_w1"] = (v, self.markov_rank)
             shapes["markov_w2"] = (draft_v, self.markov_rank)
         for name, shape in (
-            ("wq", (q, h)),
-            ("wk", (kv, h)),
-            ("wv", (kv, h)),
-            ("wo", (h, q)),
+            *self._attention_weight_shapes().items(),
             ("w_gate", (inter, h)),
             ("w_up", (inter, h)),
             ("w_down", (h, inter)),
-            ("q_norm", (self.head_dim,)),
-            ("k_norm", (self.head_dim,)),
             ("input_norm", (h,)),
             ("post_norm", (h,)),
         ):
             shapes[name] = (layers, *shape)
+        return shapes
+
+    def _attention_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of one layer's attention weights."""
+        h, heads, latent = self.hidden_size, self.num_heads, self.latent
+        if latent is not None:
+            return {
+                "wq_a": (latent.q_lora_rank, h),
+                "q_a_norm": (latent.q_lora_rank,),
+                "wq_b": (heads * latent.qk_head_dim, latent.q_lora_rank),
+                "wkv_a": (latent.cache_width, h),
+                "kv_a_norm": (latent.kv_lora_rank,),
+                "wkv_b": (
+                    heads * (latent.qk_nope_head_dim + latent.v_head_dim),
+                    latent.kv_lora_rank,
+                ),
+                "wo": (h, heads * latent.v_head_dim),
+            }
+        q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "wq": (q, h),
+            "wk": (kv, h),
+            "wv": (kv, h),
+            "wo": (h, q),
+            "q_norm": (self.head_dim,),
+            "k_norm": (self.head_dim,),
+        }
         if self.attention_bias:
             for name, size in (("wq", q), ("wk", kv), ("wv", kv), ("wo", h)):
-                shapes[f"{name}_bias"] = (layers, size)
+                shapes[f"{name}_bias"] = (size,)
         return shapes
 
 
 @dataclass(frozen=True)
 class ReferenceModelConfig:
     """The reference draft: random weights from ``seed``; ``mask_token_id`` is
-    the last vocabulary id."""
+    the last vocabulary id. With ``latent``, multi-head latent attention of
+    ranks ``hidden_size / 2``, per head ``hidden_size / num_heads`` key (no
+    RoPE) and value dimensions and half that many RoPE dimensions."""
 
     method: str = "dflash"
     vocab_size: int = 1024
@@ -198,6 +291,7 @@ class ReferenceModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     seed: int = 0
+    latent: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.hidden_size % (2 * self.num_heads):
@@ -205,6 +299,16 @@ class ReferenceModelConfig:
         self.shape()
 
     def shape(self) -> DraftShape:
+        head = self.hidden_size // self.num_heads
+        latent = None
+        if self.latent:
+            latent = LatentAttention(
+                q_lora_rank=self.hidden_size // 2,
+                kv_lora_rank=self.hidden_size // 2,
+                qk_nope_head_dim=head,
+                qk_rope_head_dim=head // 2,
+                v_head_dim=head,
+            )
         return DraftShape(
             method=self.method,
             vocab_size=self.vocab_size,
@@ -213,11 +317,25 @@ class ReferenceModelConfig:
             num_layers=self.num_layers,
             num_heads=self.num_heads,
             num_kv_heads=self.num_heads,
-            head_dim=self.hidden_size // self.num_heads,
+            head_dim=head if latent is None else latent.qk_head_dim,
             intermediate_size=2 * self.hidden_size,
             mask_token_id=self.vocab_size - 1,
             markov_rank=16 if self.method == "dspark" else 0,
+            neox_rope=latent is None,
+            rotary_dim=None if latent is None else latent.qk_rope_head_dim,
+            latent=latent,
         )
+
+
+class _Window(NamedTuple):
+    """What a query block attends besides itself: per request, the flat KV
+    index of each window position and whether it holds the request's
+    context, and the attention mask over the window and the block ``[batch,
+    1, 1, window + rows]``."""
+
+    index: torch.Tensor
+    seen: torch.Tensor
+    mask: torch.Tensor
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -273,6 +391,9 @@ class TorchDraftEngine(DraftEngine):
         self.enable_cuda_graph = enable_cuda_graph
         self.geometry = limits.geometry
         self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        # Upstream's MLA keeps its RoPE table in float32 and rotates in
+        # float32; its Qwen3 drafts keep the table in the model's dtype.
+        self._rope_dtype = torch.float32 if shape.latent else self.dtype
         self.spec = EngineSpec(
             method=shape.method,
             vocab_size=shape.vocab_size,
@@ -310,13 +431,13 @@ class TorchDraftEngine(DraftEngine):
     def memory_plan(self) -> MemoryPlan:
         itemsize = self.dtype.itemsize
         limits, shape = self.limits, self.shape
-        kv = (shape.num_layers * 2 * self.geometry.num_blocks * limits.block_size) * (
-            shape.num_kv_heads * shape.head_dim
+        kv = (shape.num_layers * self.geometry.num_blocks * limits.block_size) * (
+            shape.kv_width
         )
         # The RoPE table counts with the weights; the id map is int64.
         sizes = {n: torch.Size(s).numel() for n, s in shape.weight_shapes().items()}
         ids = sizes.pop(_ID_MAP, 0)
-        weights = sum(sizes.values()) + limits.max_model_len * shape.rotary_width
+        table = limits.max_model_len * shape.rotary_width * self._rope_dtype.itemsize
         logits = (
             limits.max_batch_size * limits.max_speculative_tokens * shape.vocab_size
         )
@@ -330,7 +451,7 @@ class TorchDraftEngine(DraftEngine):
                 shape.hidden_size,
                 self.dtype,
             ),
-            weight_bytes=weights * itemsize + ids * 8,
+            weight_bytes=sum(sizes.values()) * itemsize + table + ids * 8,
             staging_bytes=staging + logits * itemsize,
         )
 
@@ -352,18 +473,20 @@ class TorchDraftEngine(DraftEngine):
         table = self.rope_table()
         if tuple(table.shape) != (limits.max_model_len, shape.rotary_width):
             raise ValueError("the RoPE table does not match the draft shape")
-        # In the engine's dtype, as upstream keeps its table in the model's.
-        self.rope = table.to(device=self.device, dtype=self.dtype)
-        # [layer, K/V, flat cache position, kv head, dim]; layout: kv_slots.
-        self.kv = torch.zeros(
-            shape.num_layers,
-            2,
-            self.geometry.num_blocks * limits.block_size,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.rope = table.to(device=self.device, dtype=self._rope_dtype)
+        # Per layer and flat cache position (layout: kv_slots).
+        positions = self.geometry.num_blocks * limits.block_size
+        if shape.latent is not None:
+            # [layer, position, latent]
+            size: tuple[int, ...] = (
+                shape.num_layers,
+                positions,
+                shape.latent.cache_width,
+            )
+        else:
+            # [layer, K/V, position, kv head, dim]
+            size = (shape.num_layers, 2, positions, shape.num_kv_heads, shape.head_dim)
+        self.kv = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.cache = ContextCache(
             limits.max_requests,
             limits.prefix_cache_tokens,
@@ -460,7 +583,9 @@ class TorchDraftEngine(DraftEngine):
         return _rms_norm(x, weight, self.shape.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _rope(x, self.rope[positions], self.shape.neox_rope)
+        """``x`` ``[..., heads, head_dim]`` rotated at ``positions``, in the
+        table's dtype, and returned in ``x``'s."""
+        return _rope(x, self.rope[positions], self.shape.neox_rope).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, name: str, layer: int) -> torch.Tensor:
         """``x`` through projection ``name`` of ``layer`` (and its bias)."""
@@ -474,10 +599,14 @@ class TorchDraftEngine(DraftEngine):
     def _write_kv(
         self, combined: torch.Tensor, positions: torch.Tensor, index: torch.Tensor
     ) -> None:
-        """Context K/V of ``combined`` rows at ``positions`` into flat cache
-        ``index`` for every layer."""
+        """Context K/V (or latents) of ``combined`` rows at ``positions`` into
+        flat cache ``index`` for every layer."""
         shape, w = self.shape, self.w
         x = self._norm(combined, w["hidden_norm"])
+        if shape.latent is not None:
+            for layer in range(shape.num_layers):
+                self.kv[layer].index_copy_(0, index, self._latent(x, layer, positions))
+            return
         kv_shape = (x.shape[0], shape.num_kv_heads, shape.head_dim)
         for layer in range(shape.num_layers):
             k = self._norm(
@@ -486,6 +615,86 @@ class TorchDraftEngine(DraftEngine):
             v = self._linear(x, "wv", layer).view(kv_shape)
             self.kv[layer, 0].index_copy_(0, index, self._rope(k, positions))
             self.kv[layer, 1].index_copy_(0, index, v)
+
+    def _latent(
+        self, x: torch.Tensor, layer: int, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The latent ``[norm(kv_c) | rope(k_pe)]`` of rows ``x`` at
+        ``positions`` in ``layer``."""
+        latent, w = self.shape.latent, self.w
+        assert latent is not None
+        rank = latent.kv_lora_rank
+        kv = x @ w["wkv_a"][layer].T
+        kv_c = self._norm(kv[..., :rank], w["kv_a_norm"][layer])
+        k_pe = self._rope(kv[..., None, rank:], positions).squeeze(-2)
+        return torch.cat((kv_c, k_pe), -1)
+
+    def _grouped_attention(
+        self, h: torch.Tensor, layer: int, positions: torch.Tensor, window: _Window
+    ) -> torch.Tensor:
+        """Grouped-query attention of the normed block ``h`` ``[batch, rows,
+        hidden]`` over its window and itself, through the output projection."""
+        shape, w = self.shape, self.w
+        batch, rows = h.shape[:2]
+        q_shape = (batch, rows, shape.num_heads, shape.head_dim)
+        kv_shape = (batch, rows, shape.num_kv_heads, shape.head_dim)
+        q = self._norm(self._linear(h, "wq", layer).view(q_shape), w["q_norm"][layer])
+        k = self._norm(self._linear(h, "wk", layer).view(kv_shape), w["k_norm"][layer])
+        v = self._linear(h, "wv", layer).view(kv_shape)
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        seen = window.seen[:, :, None, None]
+        ctx_k = torch.where(seen, self.kv[layer, 0][window.index], 0.0)
+        ctx_v = torch.where(seen, self.kv[layer, 1][window.index], 0.0)
+        keys = torch.cat((ctx_k, k), 1)
+        values = torch.cat((ctx_v, v), 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=window.mask,
+            enable_gqa=shape.num_heads != shape.num_kv_heads,
+        )
+        return self._linear(out.transpose(1, 2).flatten(2), "wo", layer)
+
+    def _latent_attention(
+        self, h: torch.Tensor, layer: int, positions: torch.Tensor, window: _Window
+    ) -> torch.Tensor:
+        """Multi-head latent attention of the normed block ``h`` over its
+        window and itself, through the output projection: one latent key
+        (and its ``kv_c`` part as the value) shared by every head, each
+        head's ``q_nope`` absorbed by ``kv_b``'s key half and its output
+        expanded by the value half."""
+        shape, w = self.shape, self.w
+        latent = shape.latent
+        assert latent is not None
+        batch, rows = h.shape[:2]
+        nope, rank = latent.qk_nope_head_dim, latent.kv_lora_rank
+        q_c = self._norm(h @ w["wq_a"][layer].T, w["q_a_norm"][layer])
+        q = (q_c @ w["wq_b"][layer].T).view(
+            batch, rows, shape.num_heads, latent.qk_head_dim
+        )
+        kv_b = w["wkv_b"][layer].view(shape.num_heads, nope + latent.v_head_dim, rank)
+        query = torch.cat(
+            (
+                torch.einsum("brhn,hnl->brhl", q[..., :nope], kv_b[:, :nope]),
+                self._rope(q[..., nope:], positions),
+            ),
+            -1,
+        )
+        context = torch.where(
+            window.seen[:, :, None], self.kv[layer][window.index], 0.0
+        )
+        keys = torch.cat((context, self._latent(h, layer, positions)), 1)[:, None]
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            keys,
+            keys[..., :rank],
+            attn_mask=window.mask,
+            scale=latent.qk_head_dim**-0.5 * latent.softmax_scale_factor,
+            enable_gqa=True,
+        )
+        out = torch.einsum("bhrl,hvl->brhv", out, kv_b[:, nope:])
+        return out.flatten(2) @ w["wo"][layer].T
 
     def _query(self, batch: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits ``[batch, depth, V]`` and greedy tokens ``[batch,
@@ -513,37 +722,23 @@ class TorchDraftEngine(DraftEngine):
             anchor_pos[:, None] - window + torch.arange(window, device=self.device)
         )
         ctx_seen = ctx_pos >= starts[:, None]
-        attend = torch.cat((ctx_seen, in_model), 1)[:, None, None, :]
         # Window rows before the request's start hold whatever the slot's
-        # previous owner left (even NaN or inf): zero them, since a masked
-        # weight of 0 times NaN is still NaN.
-        ctx_seen = ctx_seen[:, :, None, None]
-        ctx_index = self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0))
-        q_shape = (batch, rows, shape.num_heads, shape.head_dim)
-        kv_shape = (batch, rows, shape.num_kv_heads, shape.head_dim)
+        # previous owner left (even NaN or inf): the attentions zero them,
+        # since a masked weight of 0 times NaN is still NaN.
+        attend = _Window(
+            index=self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0)),
+            seen=ctx_seen,
+            mask=torch.cat((ctx_seen, in_model), 1)[:, None, None, :],
+        )
+        attention = (
+            self._latent_attention
+            if shape.latent is not None
+            else self._grouped_attention
+        )
         x = w["embed"][ids]
         for layer in range(shape.num_layers):
             h = self._norm(x, w["input_norm"][layer])
-            q = self._norm(
-                self._linear(h, "wq", layer).view(q_shape), w["q_norm"][layer]
-            )
-            k = self._norm(
-                self._linear(h, "wk", layer).view(kv_shape), w["k_norm"][layer]
-            )
-            v = self._linear(h, "wv", layer).view(kv_shape)
-            q, k = self._rope(q, positions), self._rope(k, positions)
-            ctx_k = torch.where(ctx_seen, self.kv[layer, 0][ctx_index], 0.0)
-            ctx_v = torch.where(ctx_seen, self.kv[layer, 1][ctx_index], 0.0)
-            keys = torch.cat((ctx_k, k), 1)
-            values = torch.cat((ctx_v, v), 1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=attend,
-                enable_gqa=shape.num_heads != shape.num_kv_heads,
-            )
-            x = x + self._linear(out.transpose(1, 2).flatten(2), "wo", layer)
+            x = x + attention(h, layer, positions, attend)
             h = self._norm(x, w["post_norm"][layer])
             mlp = F.silu(h @ w["w_gate"][layer].T) * (h @ w["w_up"][layer].T)
             x = x + mlp @ w["w_down"][layer].T
