@@ -4,12 +4,13 @@
 against eager, per (batch, depth), with the round-trip breakdown.
 
 For eager and for ``--enable-cuda-graph``, one server process (reference
-engine on ``--device``, vocabulary 163,840, context width 3 x 7168) serves a
-steady PROPOSE stream per (batch, depth) shape: 4 context rows per request and
-step. Reported per shape and mode (p50 over the iterations, microseconds): the
-client round trip and every ``timing_ms`` field of the reply (decode,
-lock_wait, context, query, device_wait, copy_back, total), plus the graph
-speed-up of query + device_wait.
+engine on ``--device``, vocabulary 163,840, context width 3 x 7168; with
+``--latent-attention`` its MLA variant) serves a steady PROPOSE stream per
+(batch, depth) shape: 4 context rows per request and step. Reported per shape
+and mode (p50 over the iterations, microseconds): the client round trip and
+every ``timing_ms`` field of the reply (decode, lock_wait, context, query,
+device_wait, copy_back, total), plus the graph speed-up of query +
+device_wait.
 
 Usage::
 
@@ -41,8 +42,9 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     server_args = argparse.Namespace(device=args.device, enable_cuda_graph=graphs)
     address = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryFile() as log:
+        model = MODEL + (["--latent-attention"] if args.latent_attention else [])
         proc = start_server(
-            server_args, address, free_port(), log, MODEL, max_k=max(DEPTHS)
+            server_args, address, free_port(), log, model, max_k=max(DEPTHS)
         )
         ctx = zmq.Context()
         sock = ctx.socket(zmq.REQ)
@@ -101,6 +103,11 @@ def main() -> None:
         "--out", type=output_file, help="write the results as JSON here"
     )
     parser.add_argument("--log-dir", help="keep the server logs here")
+    parser.add_argument(
+        "--latent-attention",
+        action="store_true",
+        help="the reference engine's multi-head latent attention (MLA)",
+    )
     args = parser.parse_args()
     results = {"eager": run_mode(args, False), "graph": run_mode(args, True)}
     fields = ["rtt", *TIMING_FIELDS]

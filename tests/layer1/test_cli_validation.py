@@ -205,6 +205,12 @@ def test_production_engine_refuses_reference_flags(tmp_path, capsys):
     assert "does not use --hidden-size" in capsys.readouterr().err
 
 
+def test_the_reference_engine_runs_latent_attention_on_request():
+    assert parse_args(BASE).reference.latent_attention is False
+    args = parse_args(BASE + ["--latent-attention"])
+    assert args.reference.shape().latent is not None
+
+
 def test_curve_key_needs_the_authorized_keys_directory(tmp_path, capsys):
     _, secret = zmq.auth.create_certificates(tmp_path, "server")
     assert "go together" in refused(["--curve-secret-key", secret], capsys)

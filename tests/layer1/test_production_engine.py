@@ -53,7 +53,7 @@ REFERENCE = {
         hidden_size=16,
         num_heads=2,
         seed=5,
-        latent=True,
+        latent_attention=True,
     ),
 }
 _LAYER_NAMES = {

@@ -34,7 +34,7 @@ def make_engine(
     seed=0, method="dflash", device="cpu", graphs=False, latent=False
 ) -> ReferenceEngine:
     model = ReferenceModelConfig(
-        method=method, context_width=WIDTH, seed=seed, latent=latent
+        method=method, context_width=WIDTH, seed=seed, latent_attention=latent
     )
     engine = ReferenceEngine(LIMITS, model, torch.device(device), graphs)
     engine.load()
@@ -253,7 +253,7 @@ def test_memory_plan_counts_kv_of_every_block():
 def test_a_latent_draft_caches_one_latent_per_layer_and_position():
     engine = ReferenceEngine(
         LIMITS,
-        ReferenceModelConfig(context_width=WIDTH, latent=True),
+        ReferenceModelConfig(context_width=WIDTH, latent_attention=True),
         torch.device("cpu"),
     )
     blocks = 1 + 4 * (32 // 16 + 1)
@@ -268,7 +268,7 @@ def test_memory_plan_counts_the_bytes_load_allocates(latent):
     limits = dataclasses.replace(LIMITS, max_requests=6)
     engine = ReferenceEngine(
         limits,
-        ReferenceModelConfig(context_width=WIDTH, latent=latent),
+        ReferenceModelConfig(context_width=WIDTH, latent_attention=latent),
         torch.device("cpu"),
     )
     engine.load()

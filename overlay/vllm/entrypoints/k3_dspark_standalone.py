@@ -87,6 +87,7 @@ _REFERENCE_ONLY = (
     "num_layers",
     "num_heads",
     "seed",
+    "latent_attention",
 )
 _PRODUCTION_ONLY = ("draft_model", "target_model")
 # Counts, sizes and the seed end up in int64 tensors and torch's arguments.
@@ -327,6 +328,13 @@ def make_parser() -> argparse.ArgumentParser:
     ):
         default = getattr(model, flag[2:].replace("-", "_"))
         ref.add_argument(flag, type=parse, help=f"{what} (default: {default})")
+    ref.add_argument(
+        "--latent-attention",
+        action="store_const",
+        const=True,
+        help="multi-head latent attention (MLA, as Kimi-K3's DSpark draft) "
+        "instead of grouped-query attention",
+    )
     return parser
 
 

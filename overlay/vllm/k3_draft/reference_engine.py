@@ -280,7 +280,7 @@ class DraftShape:
 @dataclass(frozen=True)
 class ReferenceModelConfig:
     """The reference draft: random weights from ``seed``; ``mask_token_id`` is
-    the last vocabulary id. With ``latent``, multi-head latent attention of
+    the last vocabulary id. With ``latent_attention``, multi-head latent attention of
     ranks ``hidden_size / 2``, per head ``hidden_size / num_heads`` key (no
     RoPE) and value dimensions and half that many RoPE dimensions."""
 
@@ -291,7 +291,7 @@ class ReferenceModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     seed: int = 0
-    latent: bool = False
+    latent_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.hidden_size % (2 * self.num_heads):
@@ -301,7 +301,7 @@ class ReferenceModelConfig:
     def shape(self) -> DraftShape:
         head = self.hidden_size // self.num_heads
         latent = None
-        if self.latent:
+        if self.latent_attention:
             latent = LatentAttention(
                 q_lora_rank=self.hidden_size // 2,
                 kv_lora_rank=self.hidden_size // 2,
@@ -685,15 +685,16 @@ class TorchDraftEngine(DraftEngine):
             window.seen[:, :, None], self.kv[layer][window.index], 0.0
         )
         keys = torch.cat((context, self._latent(h, layer, positions)), 1)[:, None]
+        # Every head reads the one latent key: one attention head whose
+        # queries are the block's rows x heads (no per-head copy of the keys).
         out = F.scaled_dot_product_attention(
-            query.transpose(1, 2),
+            query.view(batch, 1, rows * shape.num_heads, -1),
             keys,
             keys[..., :rank],
             attn_mask=window.mask,
             scale=latent.qk_head_dim**-0.5 * latent.softmax_scale_factor,
-            enable_gqa=True,
-        )
-        out = torch.einsum("bhrl,hvl->brhv", out, kv_b[:, nope:])
+        ).view(batch, rows, shape.num_heads, rank)
+        out = torch.einsum("brhl,hvl->brhv", out, kv_b[:, nope:])
         return out.flatten(2) @ w["wo"][layer].T
 
     def _query(self, batch: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
