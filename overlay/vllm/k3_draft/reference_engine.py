@@ -103,8 +103,9 @@ class LatentAttention:
 
 @dataclass(frozen=True)
 class DraftShape:
-    """Architecture of a Qwen3-style DFlash/DSpark draft as the torch engine
-    runs it (non-causal query block)."""
+    """Architecture of a DFlash/DSpark draft as the torch engine runs it
+    (non-causal query block): Qwen3-style grouped-query attention, or
+    multi-head latent attention (``latent``)."""
 
     method: str
     vocab_size: int
