@@ -41,8 +41,8 @@ if grep -Eq "[0-9]+ skipped" "$OUT/gpu-tests.txt"; then
   status=1
 fi
 # GPU tests that run vllm's own code (the production engine against
-# upstream's draft model classes, layer 3 through the runner, layer 5
-# through the metadata builder and the MLA impl): with the
+# upstream's Qwen3 and Kimi-K3 MLA draft model classes, layer 3 through the
+# runner, layer 5 through the metadata builder and the MLA impl): with the
 # stack installed, as it is; on a box without vllm, the stack's vllm Python
 # and the packages it imports, carried in .whl-vllm/ (ci/gpu-carry.sh), in a
 # site of their own in front of the path (no compiled extensions: its platform
@@ -64,6 +64,7 @@ fi
 if [ "$vllm_tests" = 1 ]; then
   PYTHONPATH="${vllm_path:+$vllm_path:}$PYTHONPATH" timeout 300 python3 -m pytest -q -rfEs \
     -p no:cacheprovider -m "$marks" tests/layer1/test_production_engine_upstream.py \
+    tests/layer1/test_production_engine_upstream_mla.py \
     tests/layer3/test_deferred_resolve_gpu.py \
     tests/layer5/test_verify_routing_gpu.py \
     2>&1 | tee "$OUT/gpu-tests-vllm.txt" | tail -20 || status=1
