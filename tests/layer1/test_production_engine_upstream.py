@@ -17,6 +17,7 @@ own K/V. A rebase that changes upstream's draft math fails here.
 """
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from toy_target import init_single_rank_world
 
-from vllm.k3_draft.engine import DraftLimits, ProposeBatch
+from vllm.k3_draft.engine import DraftLimits, ProposeBatch, ProposeOutput
 from vllm.k3_draft.production_engine import ProductionEngine
 
 # Up to 4 requests a batch: with CUDA graphs, a batch of 3 runs padded to 4.
@@ -100,6 +101,35 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
 }
+
+
+def write_target(target: Path, rand: Callable[..., torch.Tensor], hidden: int) -> None:
+    """The target checkpoint the drafts share their embedding and LM head
+    with (bf16), and its config.json; ``rand(*shape, scale=)`` draws the
+    weights."""
+    target.mkdir()
+    save_file(
+        {
+            "model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0).bfloat16(),
+            "lm_head.weight": rand(VOCAB, hidden).bfloat16(),
+        },
+        target / "model.safetensors",
+    )
+    target_config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": TARGET_HIDDEN,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 32,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+    }
+    (target / "config.json").write_text(json.dumps(target_config))
 
 
 def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path]:
@@ -178,7 +208,6 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
         }
     draft, target = root / "draft", root / "target"
     draft.mkdir()
-    target.mkdir()
     if overrides.pop("mask_embedding", False):
         # The dict form upstream accepts (DSpark ignores the file).
         embedding = {"embedding": rand(hidden, scale=1.0), "mask_token_id": MASK_TOKEN}
@@ -191,28 +220,7 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
         {n: t.contiguous() for n, t in tensors.items()}, draft / "model.safetensors"
     )
     (draft / "config.json").write_text(json.dumps(config))
-    save_file(
-        {
-            "model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0).bfloat16(),
-            "lm_head.weight": rand(VOCAB, hidden).bfloat16(),
-        },
-        target / "model.safetensors",
-    )
-    target_config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": TARGET_HIDDEN,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 32,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": "float32",
-    }
-    (target / "config.json").write_text(json.dumps(target_config))
+    write_target(target, rand, hidden)
     return draft, target
 
 
@@ -516,18 +524,15 @@ DEVICES = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_production_engine_drafts_as_upstreams_model(
-    upstream_model, method, variant, device
-):
-    draft, target, *models = upstream_model(method, variant, device)
-    engine = loaded_engine(draft, target, device)
-    # Three requests in two PROPOSEs: the second sends each request's new
-    # rows only, so the drafts depend on the context the engine kept.
-    # The third request's context starts at position 6 (as after a RECONNECT
-    # that restored a later window).
+def drafts_over_two_proposes(
+    engine: ProductionEngine,
+) -> Iterator[tuple[ProposeOutput, int, torch.Tensor, int, int]]:
+    """Three requests in two PROPOSEs; the second sends each request's new
+    rows only, so the drafts depend on the context the engine kept, and the
+    third request's context starts at position 6 (as after a RECONNECT that
+    restored a later window). Yields, per request and PROPOSE, the engine's
+    output, the request's index, its context rows so far, its anchor and its
+    valid start."""
     valid = [0, 0, 6]
     first = [context(20, 1), context(9, 2), context(25, 5)]
     later = [context(5, 3), context(2, 4), context(1, 6)]
@@ -552,27 +557,15 @@ def test_production_engine_drafts_as_upstreams_model(
         assert out.logits is not None
         for r in requests:
             rows = torch.cat([first[r], later[r]]) if step else first[r]
-            assert_drafts_as_upstream(
-                out.logits[r],
-                out.tokens[r],
-                models,
-                method,
-                rows,
-                anchors[r][step],
-                valid[r],
-                topk=variant == "draft_topk",
-            )
+            yield out, r, rows, anchors[r][step], valid[r]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_a_query_block_past_the_model_length_drafts_as_upstreams(
-    upstream_model, method, device
-):
-    # The anchor one position before the last: the query block's later rows
-    # fall past max_model_len.
-    draft, target, *models = upstream_model(method, "plain", device)
-    engine = loaded_engine(draft, target, device)
+def draft_past_the_model_length(
+    engine: ProductionEngine,
+) -> tuple[ProposeOutput, torch.Tensor, int, int]:
+    """One request whose anchor is one position before the last, so the
+    query block's later rows fall past max_model_len: the output, the
+    context rows, the anchor and the valid start."""
     rows = context(4, 7)
     end = LIMITS.max_model_len - 2
     start = end - rows.shape[0]
@@ -589,6 +582,40 @@ def test_a_query_block_past_the_model_length_drafts_as_upstreams(
         want_logits=True,
     )
     out = engine.propose(batch)
+    assert out.logits is not None
+    return out, rows, anchor, start
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_production_engine_drafts_as_upstreams_model(
+    upstream_model, method, variant, device
+):
+    draft, target, *models = upstream_model(method, variant, device)
+    engine = loaded_engine(draft, target, device)
+    for out, r, rows, anchor, start in drafts_over_two_proposes(engine):
+        assert out.logits is not None
+        assert_drafts_as_upstream(
+            out.logits[r],
+            out.tokens[r],
+            models,
+            method,
+            rows,
+            anchor,
+            start,
+            topk=variant == "draft_topk",
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_query_block_past_the_model_length_drafts_as_upstreams(
+    upstream_model, method, device
+):
+    draft, target, *models = upstream_model(method, "plain", device)
+    engine = loaded_engine(draft, target, device)
+    out, rows, anchor, start = draft_past_the_model_length(engine)
     assert out.logits is not None
     assert_drafts_as_upstream(
         out.logits[0], out.tokens[0], models, method, rows, anchor, start

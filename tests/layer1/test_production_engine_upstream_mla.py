@@ -45,12 +45,12 @@ from test_production_engine_upstream import (
     K,
     _rms_norm,
     _rotary_embedding,
-    context,
+    draft_past_the_model_length,
+    drafts_over_two_proposes,
     loaded_engine,
+    write_target,
 )
 from toy_target import init_single_rank_world
-
-from vllm.k3_draft.engine import ProposeBatch
 
 # Four heads of a 12-wide query/key (8 NoPE + 4 RoPE) over a 16-wide latent
 # (20 cache columns), two layers.
@@ -171,33 +171,11 @@ def write_checkpoints(root: Path, variant: str) -> tuple[Path, Path]:
     config = {key: value for key, value in config.items() if value is not None}
     draft, target = root / "draft", root / "target"
     draft.mkdir()
-    target.mkdir()
     save_file(
         {n: t.contiguous() for n, t in tensors.items()}, draft / "model.safetensors"
     )
     (draft / "config.json").write_text(json.dumps(config))
-    save_file(
-        {
-            "model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0).bfloat16(),
-            "lm_head.weight": rand(VOCAB, hidden).bfloat16(),
-        },
-        target / "model.safetensors",
-    )
-    target_config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": TARGET_HIDDEN,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 32,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": "float32",
-    }
-    (target / "config.json").write_text(json.dumps(target_config))
+    write_target(target, rand, hidden)
     return draft, target
 
 
@@ -528,67 +506,19 @@ def assert_drafts_as_upstream(
 def test_production_engine_drafts_as_upstreams_model(upstream_model, variant, device):
     draft, target, *models = upstream_model(variant, device)
     engine = loaded_engine(draft, target, device)
-    # Three requests in two PROPOSEs: the second sends each request's new
-    # rows only, so the drafts depend on the context the engine kept.
-    # The third request's context starts at position 6 (as after a RECONNECT
-    # that restored a later window).
-    valid = [0, 0, 6]
-    first = [context(20, 1), context(9, 2), context(25, 5)]
-    later = [context(5, 3), context(2, 4), context(1, 6)]
-    anchors = [[40, 7], [123, 200], [0, 254]]
-    requests = range(len(first))
-    for step, sent in enumerate((first, later)):
-        start = [valid[r] + (first[r].shape[0] if step else 0) for r in requests]
-        counts = [sent[r].shape[0] for r in requests]
-        ends = [s + c for s, c in zip(start, counts)]
-        batch = ProposeBatch(
-            K,
-            list(requests),
-            valid,
-            ends,
-            [anchors[r][step] for r in requests],
-            counts,
-            torch.cat([torch.arange(s, e) for s, e in zip(start, ends)]),
-            torch.cat(sent),
-            want_logits=True,
-        )
-        out = engine.propose(batch)
+    for out, r, rows, anchor, start in drafts_over_two_proposes(engine):
         assert out.logits is not None
-        for r in requests:
-            rows = torch.cat([first[r], later[r]]) if step else first[r]
-            assert_drafts_as_upstream(
-                out.logits[r],
-                out.tokens[r],
-                models,
-                rows,
-                anchors[r][step],
-                valid[r],
-            )
+        assert_drafts_as_upstream(
+            out.logits[r], out.tokens[r], models, rows, anchor, start
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_query_block_past_the_model_length_drafts_as_upstreams(
     upstream_model, device
 ):
-    # The anchor one position before the last: the query block's later rows
-    # fall past max_model_len.
     draft, target, *models = upstream_model("plain", device)
     engine = loaded_engine(draft, target, device)
-    rows = context(4, 7)
-    end = LIMITS.max_model_len - 2
-    start = end - rows.shape[0]
-    anchor = 17
-    batch = ProposeBatch(
-        K,
-        [0],
-        [start],
-        [end],
-        [anchor],
-        [rows.shape[0]],
-        torch.arange(start, end),
-        rows,
-        want_logits=True,
-    )
-    out = engine.propose(batch)
+    out, rows, anchor, start = draft_past_the_model_length(engine)
     assert out.logits is not None
     assert_drafts_as_upstream(out.logits[0], out.tokens[0], models, rows, anchor, start)
