@@ -1,20 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The reference draft engine behind the draft server on a GPU: CUDA graphs
-against eager, per (batch, depth), with the round-trip breakdown.
+"""A draft engine behind the draft server on a GPU: CUDA graphs against
+eager, per (batch, depth), with the round-trip breakdown.
 
-For eager and for ``--enable-cuda-graph``, one server process (reference
-engine on ``--device``, vocabulary 163,840, context width 3 x 7168; with
-``--latent-attention`` its MLA variant) serves a steady PROPOSE stream per
-(batch, depth) shape: 4 context rows per request and step. Reported per shape
-and mode (p50 over the iterations, microseconds): the client round trip and
-every ``timing_ms`` field of the reply (decode, lock_wait, context, query,
-device_wait, copy_back, total), plus the graph speed-up of query +
-device_wait.
+For eager and for ``--enable-cuda-graph``, one server process serves a
+steady PROPOSE stream per (batch, depth) shape: 4 context rows of 3 x 7168
+per request and step. The engine is the reference engine on ``--device``
+(vocabulary 163,840; with ``--latent-attention`` its MLA variant), or with
+``--draft-model`` and ``--target-model`` the production engine on those
+checkpoints (``bench/k3_draft_checkpoint.py`` writes Kimi-K3-shaped ones).
+Reported per shape and mode (p50 over the iterations, microseconds): the
+client round trip and every ``timing_ms`` field of the reply (decode,
+lock_wait, context, query, device_wait, copy_back, total), plus the graph
+speed-up of query + device_wait.
 
 Usage::
 
     python bench/bench_draft_server_gpu.py --device cuda --out gpu.json
+    python bench/k3_draft_checkpoint.py /tmp/k3
+    python bench/bench_draft_server_gpu.py --draft-model /tmp/k3/draft \
+        --target-model /tmp/k3/target --out k3.json
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from typing import Any
 
 import numpy as np
 import zmq
-from bench_remote_rpc import Case, free_port, start_server
+from bench_remote_rpc import Case, free_port, reference_engine, start_server
 from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.k3_draft.protocol import TIMING_FIELDS
 
 MODEL = ["--vocab-size", "163840", "--hidden-size", "1024", "--num-layers", "2"]
-MODEL += ["--num-heads", "8", "--window-size", "1024"]
+MODEL += ["--num-heads", "8"]
+WINDOW = ["--window-size", "1024"]
 BATCHES = (1, 2, 4, 8)
 DEPTHS = (1, 2, 3, 4)
 
@@ -42,9 +48,8 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     server_args = argparse.Namespace(device=args.device, enable_cuda_graph=graphs)
     address = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryFile() as log:
-        model = MODEL + (["--latent-attention"] if args.latent_attention else [])
         proc = start_server(
-            server_args, address, free_port(), log, model, max_k=max(DEPTHS)
+            server_args, address, free_port(), log, engine_flags(args), max(DEPTHS)
         )
         ctx = zmq.Context()
         sock = ctx.socket(zmq.REQ)
@@ -88,6 +93,17 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     return shapes
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The server's engine flags for the benchmark's arguments."""
+    if args.draft_model:
+        return [
+            *("--engine", "production", "--draft-model", args.draft_model),
+            *("--target-model", args.target_model, *WINDOW),
+        ]
+    latent = ["--latent-attention"] if args.latent_attention else []
+    return reference_engine(MODEL + WINDOW + latent)
+
+
 def _save_log(args: argparse.Namespace, graphs: bool, text: bytes) -> None:
     name = "server_graph.log" if graphs else "server_eager.log"
     with open(f"{args.log_dir}/{name}", "wb") as out:
@@ -108,7 +124,14 @@ def main() -> None:
         action="store_true",
         help="the reference engine's multi-head latent attention (MLA)",
     )
+    production = parser.add_argument_group("production engine")
+    production.add_argument("--draft-model", help="draft checkpoint directory")
+    production.add_argument("--target-model", help="target checkpoint directory")
     args = parser.parse_args()
+    if bool(args.draft_model) != bool(args.target_model):
+        parser.error("--draft-model and --target-model go together")
+    if args.draft_model and args.latent_attention:
+        parser.error("--latent-attention is the reference engine's")
     results = {"eager": run_mode(args, False), "graph": run_mode(args, True)}
     fields = ["rtt", *TIMING_FIELDS]
     print("shape  mode   " + " ".join(f"{f:>11}" for f in fields) + "  q+wait x")

@@ -100,21 +100,28 @@ SMALL_MODEL = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2"]
 SMALL_MODEL += ["--window-size", "64"]
 
 
+def reference_engine(model: list[str] = SMALL_MODEL) -> list[str]:
+    """Server flags of the reference engine at this benchmark's context
+    width, with ``model``'s flags."""
+    return ["--engine", "reference", "--context-width", str(WIDTH), *model]
+
+
 def start_server(
     args: argparse.Namespace,
     address: str,
     status_port: int,
     log: Any,
-    model: list[str] = SMALL_MODEL,
+    engine: list[str] | None = None,
     max_k: int = K,
     busy_poll_us: int = 0,
 ) -> subprocess.Popen:
-    """A reference-engine draft server process, ready."""
+    """A draft server process, ready: ``engine``'s flags, by default those
+    of ``reference_engine()``."""
     command = [
         *(sys.executable, "-m", "vllm.entrypoints.k3_dspark_standalone"),
-        *("--engine", "reference", "--device", args.device),
+        *(engine or reference_engine()),
+        *("--device", args.device),
         *("--address", address, "--status-port", str(status_port)),
-        *("--context-width", str(WIDTH), *model),
         *("--max-num-seqs", "8", "--max-requests", "16"),
         *("--max-speculative-tokens", str(max_k), "--max-context-tokens", "64"),
         *("--max-model-len", str(1 << 20)),
