@@ -323,6 +323,14 @@ def test_reference_model_shape_is_validated(capsys):
     assert "num_heads" in err
 
 
+def test_a_latent_reference_draft_needs_heads_whose_half_is_even(capsys):
+    # Head 6 (24 / 4): RoPE on half a head, 3 dimensions, cannot rotate.
+    err = refused(
+        ["--latent-attention", "--hidden-size", "24", "--num-heads", "4"], capsys
+    )
+    assert "multiple of 4 * num_heads with latent attention" in err
+
+
 def test_a_reference_weight_beyond_int64_elements_is_refused_naming_the_flags(capsys):
     size = str(2**63 - 8)
     err = refused(["--hidden-size", size, "--num-heads", "4"], capsys)

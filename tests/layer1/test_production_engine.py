@@ -269,8 +269,8 @@ def _narrow_fc(tensors: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize(
     ("edit", "error"),
     [
-        (_drop_one_layers_up_proj, "misses w_up of some layers"),
-        (_narrow_fc, r"fc has shape \[16, 47\]"),
+        (_drop_one_layers_up_proj, r"lacks \['layers\.1\.mlp\.up_proj\.weight'\]"),
+        (_narrow_fc, r"fc\.weight has shape \[16, 47\]"),
     ],
 )
 def test_draft_weights_that_do_not_fit_the_shape_are_refused_by_name(
@@ -365,7 +365,7 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
         ),
         (
             {"architectures": ["Qwen3DSparkModel"], "markov_head_type": "gated"},
-            "unsupported DSpark head",
+            "unsupported DSpark head: markov_head_type 'gated'",
         ),
         ({"eagle_config": {"use_aux_hidden_state": False}}, "without aux hidden"),
         ({"use_aux_hidden_state": None}, "without aux hidden"),
@@ -450,7 +450,8 @@ def test_a_rope_style_written_as_one_or_zero_is_read_as_true_or_false(
 def test_attention_biases_the_checkpoint_lacks_are_refused_by_name(tmp_path):
     draft, target = write_checkpoints(tmp_path, "dflash", attention_bias=True)
     engine = cpu_engine(draft, target)
-    with pytest.raises(CheckpointError, match=r"lacks \['wk_bias', 'wo_bias'"):
+    lacking = "lacks ['layers.<i>.self_attn.k_proj.bias', 'layers.<i>.self_attn.o_proj"
+    with pytest.raises(CheckpointError, match=re.escape(lacking)):
         engine.load()
 
 
@@ -952,7 +953,18 @@ def test_an_mla_config_is_read_with_upstreams_defaults(tmp_path):
         # Upstream's MLA draft has no gathered Markov bias.
         ({"dspark_draft_topk": 8}, "MLA DSpark draft checkpoint: dspark_draft_topk"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"sample_from_anchor": False}, "unsupported DSpark head"),
+        ({"sample_from_anchor": False}, "DSpark head: sample_from_anchor false"),
+        # Upstream's MLA draft rotates all of qk_rope_head_dim.
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor",
+        ),
         # A context width other than the one upstream's context_proj reads.
         (
             {"eagle_aux_hidden_state_layer_ids": [1, 3]},
@@ -972,3 +984,67 @@ def test_unsupported_mla_checkpoints_are_refused_with_the_reason(
     draft, _ = write_checkpoints(tmp_path, "mla", **override)
     with pytest.raises(CheckpointError, match=reason):
         DraftCheckpoint.from_dir(draft)
+
+
+def test_an_mla_draft_ignores_the_markov_head_type_as_upstream_does(tmp_path):
+    # Upstream's MLA draft builds the vanilla head whatever the config says.
+    draft, target = write_checkpoints(tmp_path, "mla", markov_head_type="gated")
+    assert_drafts_as_the_reference(draft, target, "mla")
+
+
+@pytest.mark.parametrize("method", ["dflash", "mla"])
+def test_rotary_buffers_in_a_draft_checkpoint_are_dropped_as_upstream_does(
+    tmp_path, method
+):
+    draft, target = write_checkpoints(tmp_path, method)
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, str(draft / "model.safetensors"))
+    assert_drafts_as_the_reference(draft, target, method)
+
+
+def _drop_context_proj(tensors: dict[str, torch.Tensor]) -> None:
+    del tensors["context_proj.weight"]
+
+
+def _drop_one_layers_kv_a_norm(tensors: dict[str, torch.Tensor]) -> None:
+    del tensors["layers.1.self_attn.kv_a_layernorm.weight"]
+
+
+def _narrow_context_proj(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["context_proj.weight"] = tensors["context_proj.weight"][:, 1:].contiguous()
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (_drop_context_proj, "lacks ['context_proj.weight']"),
+        (
+            _drop_one_layers_kv_a_norm,
+            "lacks ['layers.1.self_attn.kv_a_layernorm.weight']",
+        ),
+        (_narrow_context_proj, "context_proj.weight has shape [16, 47]"),
+    ],
+)
+def test_mla_weights_that_do_not_fit_are_refused_by_their_checkpoint_names(
+    tmp_path, edit, error
+):
+    draft, target = write_checkpoints(tmp_path, "mla")
+    tensors = load_file(str(draft / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(draft / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(error)):
+        cpu_engine(draft, target).load()
+
+
+def test_a_config_error_upstream_words_over_two_lines_is_refused_with_its_reason(
+    tmp_path,
+):
+    # Upstream's message is "Validation error for field 'kv_lora_rank':"
+    # and the reason on the next line.
+    draft, _ = write_checkpoints(tmp_path, "mla", kv_lora_rank=None)
+    with pytest.raises(CheckpointError) as refused:
+        DraftCheckpoint.from_dir(draft)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert message.endswith("expected int, got NoneType (value: None)"), message

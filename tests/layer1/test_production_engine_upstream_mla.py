@@ -58,11 +58,11 @@ DRAFT = {
     "hidden_size": 32,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "q_lora_rank": 16,
+    "q_lora_rank": 24,
     "kv_lora_rank": 16,
     "qk_nope_head_dim": 8,
     "qk_rope_head_dim": 4,
-    "v_head_dim": 8,
+    "v_head_dim": 6,
     "intermediate_size": 48,
 }
 # Slots of the stand-in latent cache, in blocks of 16: every position up to
@@ -99,6 +99,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "mscale_all_dim": 0.5,
         }
     },
+    # A missing mscale_all_dim counts as 0: no softmax factor.
+    "deepseek_yarn_no_mscale_all_dim": {
+        "rope_scaling": {k: v for k, v in YARN.items() if k != "mscale_all_dim"}
+    },
+    # Every norm (context, q_a, kv_a, layers, final) at the config's eps.
+    "rms_norm_eps": {"rms_norm_eps": 0.1},
+    # Kimi's SiTU MLP (at beta 1: upstream's draft passes no beta).
+    "situ": {"hidden_act": "situ", "activation_situ_beta": 2.0},
     # Upstream drops the draft's heads and shares the target's.
     "draft_ships_heads": {"draft_ships_heads": True},
     # Loaded (and kept), not used for drafting.

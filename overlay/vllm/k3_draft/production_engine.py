@@ -76,6 +76,8 @@ DRAFT_ARCHITECTURES = {
 }
 # Drafts with multi-head latent attention.
 LATENT_ARCHITECTURES = frozenset({"K3DSparkModel"})
+# The MLP activations upstream's MLA draft (``KimiMLP``) builds.
+LATENT_ACTIVATIONS = ("silu", "situ")
 # Qwen3-Omni targets keep their text model under ``thinker.``.
 TARGET_EMBED_NAMES = (
     "model.embed_tokens.weight",
@@ -91,10 +93,25 @@ TARGET_LM_HEAD_NAMES = (
 # Per method, tensors upstream's loader skips (the target-to-draft
 # vocabulary map) or loads without drafting with them (DSpark's confidence
 # head), by substring as upstream matches them.
-_SKIPPED_WEIGHTS = {"dflash": ("t2d",), "dspark": ("t2d", "confidence_head")}
+# Every loader drops the rotary buffers some trainers save.
+_ROTARY_BUFFERS = (
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+_SKIPPED_WEIGHTS = {
+    "dflash": ("t2d", *_ROTARY_BUFFERS),
+    "dspark": ("t2d", "confidence_head", *_ROTARY_BUFFERS),
+}
 # The MLA draft's loader drops its confidence head (or loads it without
 # drafting with it) and any embedding or LM head: the target's are shared.
-_LATENT_SKIPPED_WEIGHTS = ("confidence_head", "embed_tokens", "lm_head")
+_LATENT_SKIPPED_WEIGHTS = (
+    "confidence_head",
+    "embed_tokens",
+    "lm_head",
+    *_ROTARY_BUFFERS,
+)
 _LAYER_WEIGHTS = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -314,14 +331,22 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         raise CheckpointError("unsupported draft checkpoint: " + ", ".join(reasons))
 
 
-def _check_dspark_head(config: dict[str, Any]) -> None:
+def _check_dspark_head(config: dict[str, Any], latent: bool) -> None:
     """Refuses a DSpark head other than upstream's default: anchor-first,
-    with a vanilla Markov head."""
-    if (
-        not config.get("sample_from_anchor", True)
-        or config.get("markov_head_type", "vanilla") != "vanilla"
-    ):
-        raise CheckpointError("unsupported DSpark head (needs sample_from_anchor)")
+    with a vanilla Markov head (the only one the MLA draft builds, whatever
+    its ``markov_head_type``)."""
+    reasons = []
+    if not config.get("sample_from_anchor", True):
+        reasons.append("sample_from_anchor false")
+    head = config.get("markov_head_type", "vanilla")
+    if not latent and head != "vanilla":
+        reasons.append(f"markov_head_type {head!r}")
+    if reasons:
+        raise CheckpointError(
+            "unsupported DSpark head: "
+            + ", ".join(reasons)
+            + " (anchor-first drafting with a vanilla Markov head only)"
+        )
 
 
 def _custom_op_context() -> contextlib.AbstractContextManager[Any]:
@@ -427,10 +452,11 @@ def _latent_rope(hf_config: Any) -> tuple[Any, float]:
 
 
 def _first_line(exc: Exception) -> str:
-    """``Type: message`` of ``exc``, its first line (some run on with
-    advice)."""
-    message = str(exc).partition("\n")[0]
-    return f"{type(exc).__name__}: {message}"
+    """``Type: message`` of ``exc`` on one line: its first (some run on with
+    advice), joined with the next where the first only introduces it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    message = " ".join(lines[:2]) if lines[:1] and lines[0].endswith(":") else ""
+    return f"{type(exc).__name__}: {message or (lines or [''])[0]}"
 
 
 def _config_int(
@@ -501,9 +527,9 @@ class DraftCheckpoint:
         covered = self.rope.cos_sin_cache.shape[0]
         if covered < positions and type(self.rope) is not RotaryEmbedding:
             raise CheckpointError(
-                f"the draft's scaled RoPE covers {covered} positions "
-                "(max_position_embeddings of its config.json), fewer than "
-                f"--max-model-len {positions}"
+                f"the draft's scaled RoPE ({type(self.rope).__name__} of its "
+                "config.json's max_position_embeddings and RoPE scaling) covers "
+                f"{covered} positions, fewer than --max-model-len {positions}"
             )
 
     def rope_table(self, positions: int) -> torch.Tensor:
@@ -572,7 +598,7 @@ class DraftCheckpoint:
         method = DRAFT_ARCHITECTURES[architecture]
         _refuse_unsupported(config)
         if method == "dspark":
-            _check_dspark_head(config)
+            _check_dspark_head(config, latent=False)
         hf_config = SimpleNamespace(**config)
         spec_config = SimpleNamespace(
             draft_model_config=SimpleNamespace(hf_config=hf_config)
@@ -662,12 +688,12 @@ class DraftCheckpoint:
 
         hf_config = _upstream_config(path)
         config = hf_config.to_dict()
-        _check_dspark_head(config)
+        _check_dspark_head(config, latent=True)
         reasons = []
         if config.get("dspark_draft_topk") is not None:
             # Upstream's MLA draft has no gathered Markov bias.
             reasons.append("dspark_draft_topk")
-        if config.get("hidden_act") != "silu":
+        if config.get("hidden_act") not in LATENT_ACTIVATIONS:
             reasons.append(f"hidden_act {config.get('hidden_act')!r}")
         if reasons:
             raise CheckpointError(
@@ -698,6 +724,12 @@ class DraftCheckpoint:
         }
         # After the checks above, which name the offending key.
         rope, softmax_scale_factor = _latent_rope(hf_config)
+        if rope.rotary_dim != geometry["qk_rope_head_dim"]:
+            raise CheckpointError(
+                "unsupported MLA DSpark draft checkpoint: partial_rotary_factor "
+                f"(RoPE on {rope.rotary_dim} of qk_rope_head_dim "
+                f"{geometry['qk_rope_head_dim']})"
+            )
         latent = LatentAttention(**geometry, softmax_scale_factor=softmax_scale_factor)
         shape = DraftShape(
             method=DRAFT_ARCHITECTURES[architecture],
@@ -716,6 +748,8 @@ class DraftCheckpoint:
             neox_rope=False,
             rotary_dim=latent.qk_rope_head_dim,
             latent=latent,
+            # Upstream's draft builds Kimi's SiTU without the config's betas.
+            hidden_act=config["hidden_act"],
         )
         return cls(
             path,
@@ -817,6 +851,20 @@ def _engine_name(
     return None
 
 
+def _checkpoint_name(engine_name: str, latent: bool, layer: int | None = None) -> str:
+    """The draft checkpoint's name of engine weight ``engine_name``, for
+    messages: a per-layer one's of ``layer`` (``layers.<i>.`` if None)."""
+    layer_weights = _LATENT_LAYER_WEIGHTS if latent else _LAYER_WEIGHTS
+    global_weights = _LATENT_GLOBAL_WEIGHTS if latent else _GLOBAL_WEIGHTS
+    for names, per_layer in ((layer_weights, True), (global_weights, False)):
+        for name, engine in names.items():
+            if engine == engine_name:
+                if not per_layer:
+                    return name
+                return f"layers.{'<i>' if layer is None else layer}.{name}"
+    return engine_name
+
+
 class ProductionEngine(TorchDraftEngine):
     """A draft checkpoint plus the target's embedding and LM head."""
 
@@ -913,8 +961,13 @@ class ProductionEngine(TorchDraftEngine):
                 f"cannot place, e.g. {sorted(unknown)[:3]}"
             )
         for engine_name, tensors in per_layer.items():
-            if any(t is None for t in tensors):
-                raise CheckpointError(f"the draft misses {engine_name} of some layers")
+            lacking = [
+                _checkpoint_name(engine_name, latent, i)
+                for i, tensor in enumerate(tensors)
+                if tensor is None
+            ]
+            if lacking:
+                raise CheckpointError(f"the draft checkpoint lacks {lacking}")
             weights[engine_name] = torch.stack(tensors)  # type: ignore[arg-type]
         missing = {"embed", "lm_head"} - weights.keys()
         if "lm_head" in missing and shape.draft_vocab_size is not None:
@@ -931,13 +984,20 @@ class ProductionEngine(TorchDraftEngine):
                 torch.zeros(shape.draft_vocab_size, dtype=torch.int64),
             )
             weights["draft_to_target"] = self._vocabulary_ids(offsets)
-        absent = sorted(expected.keys() - weights.keys())
+        absent = sorted(
+            _checkpoint_name(name, latent) for name in expected.keys() - weights.keys()
+        )
         if absent:
             raise CheckpointError(f"the draft checkpoint lacks {absent}")
         for name, value in weights.items():
             if tuple(value.shape) != expected[name]:
+                label = (
+                    f"the target's {'embedding' if name == 'embed' else 'LM head'}"
+                    if name in missing
+                    else _checkpoint_name(name, latent)
+                )
                 raise CheckpointError(
-                    f"{name} has shape {list(value.shape)}, "
+                    f"{label} has shape {list(value.shape)}, "
                     f"expected {list(expected[name])}"
                 )
         return weights

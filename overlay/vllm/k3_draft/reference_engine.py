@@ -83,10 +83,14 @@ class LatentAttention:
     def __post_init__(self) -> None:
         for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.qk_nope_head_dim < 0 or self.qk_rope_head_dim % 2:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.qk_nope_head_dim < 0:
             raise ValueError(
-                "qk_nope_head_dim must be non-negative, qk_rope_head_dim even"
+                f"qk_nope_head_dim must be non-negative, not {self.qk_nope_head_dim}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim must be even, not {self.qk_rope_head_dim}"
             )
         if not 0 < self.softmax_scale_factor < math.inf:
             raise ValueError("softmax_scale_factor must be positive and finite")
@@ -138,6 +142,9 @@ class DraftShape:
     # ``head_dim`` is its ``qk_head_dim``, ``num_kv_heads`` is ``num_heads``
     # and RoPE (interleaved) rotates the ``qk_rope_head_dim`` dimensions.
     latent: LatentAttention | None = None
+    # The MLP's gate: "silu", or "situ" (Kimi's tanh(g) * sigmoid(g), in
+    # float32, as upstream's SituAndMul at beta 1).
+    hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "dspark"):
@@ -190,6 +197,8 @@ class DraftShape:
             )
         if (self.method == "dspark") != (self.markov_rank > 0):
             raise ValueError("a DSpark draft (only) has a Markov head rank")
+        if self.hidden_act not in ("silu", "situ"):
+            raise ValueError(f"unknown hidden_act {self.hidden_act!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask token {self.mask_token_id} outside the vocabulary")
         for weight, size in self.weight_shapes().items():
@@ -295,8 +304,13 @@ class ReferenceModelConfig:
     latent_attention: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_heads <= 0 or self.hidden_size % (2 * self.num_heads):
-            raise ValueError("hidden_size must be a multiple of 2 * num_heads")
+        # Latent attention rotates half a head: an even count.
+        multiple = 4 if self.latent_attention else 2
+        if self.num_heads <= 0 or self.hidden_size % (multiple * self.num_heads):
+            raise ValueError(
+                f"hidden_size must be a multiple of {multiple} * num_heads"
+                + (" with latent attention" if self.latent_attention else "")
+            )
         self.shape()
 
     def shape(self) -> DraftShape:
@@ -698,6 +712,17 @@ class TorchDraftEngine(DraftEngine):
         out = torch.einsum("brhl,hvl->brhv", out, kv_b[:, nope:])
         return out.flatten(2) @ w["wo"][layer].T
 
+    def _mlp(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """The gated MLP of ``layer`` on the normed ``h``."""
+        w = self.w
+        gate, up = h @ w["w_gate"][layer].T, h @ w["w_up"][layer].T
+        if self.shape.hidden_act == "situ":
+            g = gate.float()
+            act = (torch.tanh(g) * torch.sigmoid(g) * up.float()).to(h.dtype)
+        else:
+            act = F.silu(gate) * up
+        return act @ w["w_down"][layer].T
+
     def _query(self, batch: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits ``[batch, depth, V]`` and greedy tokens ``[batch,
         depth]`` from the query inputs' first ``batch`` rows (fixed shapes:
@@ -741,9 +766,7 @@ class TorchDraftEngine(DraftEngine):
         for layer in range(shape.num_layers):
             h = self._norm(x, w["input_norm"][layer])
             x = x + attention(h, layer, positions, attend)
-            h = self._norm(x, w["post_norm"][layer])
-            mlp = F.silu(h @ w["w_gate"][layer].T) * (h @ w["w_up"][layer].T)
-            x = x + mlp @ w["w_down"][layer].T
+            x = x + self._mlp(self._norm(x, w["post_norm"][layer]), layer)
         hidden = self._norm(x[:, 1:] if dflash else x, w["final_norm"])
         logits = hidden @ w["lm_head"].T
         to_target = w.get(_ID_MAP)
