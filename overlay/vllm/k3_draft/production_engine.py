@@ -25,8 +25,9 @@ The MLA draft (``K3DSparkModel``) is read through upstream's
 ``K3DSparkConfig`` (its defaults and its own refusals) and always drafts with
 the target's embedding and LM head, as upstream shares them; its RoPE is
 upstream's table for any scaling, applied interleaved as upstream's fused MLA
-kernels apply it, and DeepSeek YaRN scales its softmax. Other variants are
-refused with the reason at start-up rather than served wrongly.
+kernels apply it, and DeepSeek YaRN scales its softmax; its MLP is SiLU or
+Kimi's SiTU. Other variants are refused with the reason at start-up rather
+than served wrongly.
 """
 
 from __future__ import annotations
