@@ -590,6 +590,48 @@ def test_error_replies_in_a_row_back_off_as_an_unreachable_server(
     assert plan.server is None
 
 
+def _slow_propose(scripted_server, answered: threading.Event):
+    """A PROPOSE handler that answers after the plan's 300 ms timeout."""
+
+    def slow(header, frames):
+        time.sleep(0.5)
+        answered.set()
+        return scripted_server.default(header, frames)
+
+    return slow
+
+
+def test_a_single_timeout_costs_one_step_not_the_retry_interval(
+    online_plan, scripted_server
+):
+    plan = online_plan(60.0)
+    answered = threading.Event()
+    scripted_server.handlers["PROPOSE"] = _slow_propose(scripted_server, answered)
+    assert (plan.run(_step(["a"])).tokens == -1).all()
+    del scripted_server.handlers["PROPOSE"]
+    assert answered.wait(5)
+    # Retried at once (handshake, FREE of the stale request, PROPOSE), not
+    # after the 60 s interval.
+    assert (plan.run(_step(["a"])).tokens == 5).all()
+    assert scripted_server.ops()[-3:] == ["PING", "FREE", "PROPOSE"]
+
+
+def test_timeouts_in_a_row_back_off_as_an_unreachable_server(
+    online_plan, scripted_server
+):
+    plan = online_plan(60.0)
+    answered = threading.Event()
+    scripted_server.handlers["PROPOSE"] = _slow_propose(scripted_server, answered)
+    for _ in range(2):
+        answered.clear()
+        assert (plan.run(_step(["a"])).tokens == -1).all()
+        assert answered.wait(5), "the second step did not retry the PROPOSE"
+    calls = len(scripted_server.ops())
+    for _ in range(3):
+        assert (plan.run(_step(["a"])).tokens == -1).all()
+    assert len(scripted_server.ops()) == calls and plan.server is None
+
+
 def test_a_successful_propose_forgives_earlier_error_replies(
     online_plan, scripted_server
 ):

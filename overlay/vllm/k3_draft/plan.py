@@ -24,12 +24,13 @@ turns one verifier step (``StepInputs``) into RPCs, in this order:
 Fail closed: a request gets -1 (no draft) whenever its step fails, and nothing
 of a failed or malformed reply is used. A request whose remote state is
 uncertain after a failure is marked stale and FREEd first on the next step; a
-failing FREE keeps it stale. A transport failure ends the step for every
-request and the client stays offline, with exponential backoff, until a
-handshake succeeds again; error or malformed replies do the same from the
-second in a row (the first is retried with a handshake next step: a
-restarted server answers that way). A retry's PING never blocks a step for
-the RPC timeout; the RPCs after its PONG (the CLEAR of an earlier verifier's
+failing FREE keeps it stale. A failed call (a timeout or other transport
+failure, an error or malformed reply) ends the step for every request. The
+first since the last successful PROPOSE is retried with a handshake on the
+next step (a late reply, a restarted server); from the second in a row the
+client stays offline, with exponential backoff, until a handshake succeeds
+again, and so does a handshake that fails. A retry's PING never blocks a
+step for the RPC timeout; the RPCs after its PONG (the CLEAR of an earlier verifier's
 requests, the step's own) are ordinary calls, which a server that dies right
 after the PONG holds up for the timeout, once.
 
@@ -337,8 +338,8 @@ class RemotePlan:
         self._max_retry_interval_s = max_retry_interval_s
         self._backoff_s = retry_interval_s
         self._retry_at = 0.0
-        # Error or malformed replies since the last successful PROPOSE.
-        self._failed_replies = 0
+        # Failed calls since the last successful PROPOSE.
+        self._failed_calls = 0
         # While a PING of a retry is outstanding: when it is given up.
         self._probe_deadline: float | None = None
         self._warned_long_id = False
@@ -361,7 +362,7 @@ class RemotePlan:
             self.retained.clear()
         self._server_id = info.server_id
         self.server = info
-        if not self._failed_replies:
+        if not self._failed_calls:
             self._backoff_s = self._retry_interval_s
         return info
 
@@ -414,14 +415,17 @@ class RemotePlan:
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(2 * self._backoff_s, self._max_retry_interval_s)
 
-    def _reply_failed(self, op: str, exc: ProtocolError | RemoteError) -> None:
-        """An error or malformed reply. The first since the last successful
-        PROPOSE is retried with a handshake next step (a restarted server
-        answers this way); from the second on, the server is treated as
-        unreachable (backoff), so a server that fails every call costs one
-        round trip and one warning per retry, not three and one per step."""
-        self._failed_replies += 1
-        if self._failed_replies > 1:
+    def _call_failed(
+        self, op: str, exc: TransportError | ProtocolError | RemoteError
+    ) -> None:
+        """A call that timed out or got an error or malformed reply. The
+        first since the last successful PROPOSE is retried with a handshake
+        next step (a late reply, a restarted server); from the second on,
+        the server is treated as unreachable (backoff), so a server that
+        fails every call costs one timeout or round trip and one warning per
+        retry, not one per step."""
+        self._failed_calls += 1
+        if self._failed_calls > 1:
             self._go_offline(exc)
             return
         logger.warning("Draft %s failed (%s); no drafts this step", op, exc)
@@ -440,13 +444,11 @@ class RemotePlan:
         try:
             if self._online():
                 self._run(step, batch, result)
-        except TransportError as exc:
-            self._go_offline(exc)
-        except (ProtocolError, RemoteError) as exc:
-            # A malformed RECONNECT reply, a refused CLEAR or a reply from a
+        except (TransportError, ProtocolError, RemoteError) as exc:
+            # A FREE, RECONNECT or CLEAR that failed, or a reply from a
             # restarted server (their requests are already stale): fail
             # closed as a failed PROPOSE does.
-            self._reply_failed("RPC", exc)
+            self._call_failed("RPC", exc)
         self._previous_batch = batch
         return result
 
@@ -688,11 +690,11 @@ class RemotePlan:
             # FREE them on the next step.
             for r in requests:
                 self._mark_stale(r.request_id)
-            if not isinstance(exc, (ProtocolError, RemoteError)):
+            if not isinstance(exc, (TransportError, ProtocolError, RemoteError)):
                 raise
-            self._reply_failed("PROPOSE", exc)
+            self._call_failed("PROPOSE", exc)
             return
-        self._failed_replies = 0
+        self._failed_calls = 0
         self._backoff_s = self._retry_interval_s
         self._timing.observe(round_trip_ms, header["latency_ms"], header["timing_ms"])
         for r, (_, reset) in zip(requests, entries):
