@@ -12,6 +12,7 @@ Upstream's Triton ``gumbel_sample`` is replaced by its CPU reference
 from __future__ import annotations
 
 import copy
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -157,6 +158,28 @@ def test_greedy_config_keeps_layer_1_behaviour(
     _step(speculator)
     propose = scripted_server.log[-1][1]
     assert "return_logits" not in propose and "logits_topk" not in propose
+
+
+def test_a_malformed_topk_variable_fails_start_up_under_greedy_drafting_too(
+    make_speculator, vllm_config_factory, scripted_server, monkeypatch
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", "abc")
+    with pytest.raises(ValueError, match="VLLM_K3_DRAFT_LOGITS_TOPK"):
+        make_speculator(scripted_server.address, vllm_config_factory())
+
+
+def test_a_topk_without_probabilistic_drafting_is_warned_about(
+    make_speculator, vllm_config_factory, scripted_server, monkeypatch, caplog
+):
+    monkeypatch.setenv("VLLM_K3_DRAFT_LOGITS_TOPK", "8")
+    with caplog.at_level(logging.WARNING):
+        speculator, _ = make_speculator(scripted_server.address, vllm_config_factory())
+    assert speculator.draft_logits is None
+    assert any(
+        "VLLM_K3_DRAFT_LOGITS_TOPK=8 has no effect with draft_sample_method='greedy'"
+        in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_full_vocabulary_drafts_sample_the_wire_logits(

@@ -294,18 +294,28 @@ def make_remote_draft_logits(
 ) -> RemoteDraftLogits | None:
     """The ``ProposeExtension`` factory: a ``RemoteDraftLogits`` when the
     speculative config drafts probabilistically (it then also becomes
-    ``speculator.draft_logits``), else None."""
+    ``speculator.draft_logits``), else None. ``VLLM_K3_DRAFT_LOGITS_TOPK`` is
+    validated either way."""
     config = speculator.vllm_config
     speculative_config = config.speculative_config
     assert speculative_config is not None
-    if speculative_config.draft_sample_method != "probabilistic":
-        return None
     vocab = config.model_config.get_vocab_size()
     topk = envs.VLLM_K3_DRAFT_LOGITS_TOPK
     if topk > vocab:
         raise ValueError(
             f"VLLM_K3_DRAFT_LOGITS_TOPK={topk} exceeds the vocabulary size {vocab}."
         )
+    method = speculative_config.draft_sample_method
+    if method != "probabilistic":
+        if topk:
+            logger.warning(
+                "VLLM_K3_DRAFT_LOGITS_TOPK=%d has no effect with "
+                "draft_sample_method=%r: only probabilistic drafting receives "
+                "draft logits",
+                topk,
+                method,
+            )
+        return None
     extension = RemoteDraftLogits(
         LogitsFormat(vocab, topk),
         speculator.num_speculative_steps,
