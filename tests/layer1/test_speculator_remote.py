@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from k3_layer1_server import free_tcp_port
+import zmq
+import zmq.auth
+from k3_layer1_server import DraftServerProcess, free_tcp_port
 from toy_target import HIDDEN, NUM_AUX, make_input_batch, make_vllm_config
 
 from vllm.k3_draft.client import IncompatibleServerError
@@ -234,6 +236,41 @@ def test_inputs_beyond_token_ids_keep_reconnects_within_a_request(
     enable(config)
     speculator, _ = make_speculator(scripted_server.address, config=config)
     assert not speculator.plan.share_prefixes
+
+
+def test_the_verifier_drafts_through_curve_with_its_key_variables(
+    tmp_path, make_speculator, monkeypatch
+):
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    _, client_secret = zmq.auth.create_certificates(authorized, "client")
+    server = DraftServerProcess(
+        tmp_path / "server",
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        curve_secret_key=server_secret,
+        curve_authorized_keys=authorized,
+    ).start()
+    try:
+        monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(server_public))
+        monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(client_secret))
+        speculator, _ = make_speculator(server.address)
+        # Without the keys the server never answers: no drafts at all.
+        assert (_propose(speculator) >= 0).all()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "variable", ["VLLM_K3_DRAFT_CURVE_SERVER_KEY", "VLLM_K3_DRAFT_CURVE_CLIENT_KEY"]
+)
+def test_one_curve_key_variable_without_the_other_is_refused_at_init(
+    tmp_path, make_speculator, scripted_server, monkeypatch, variable
+):
+    public, _ = zmq.auth.create_certificates(tmp_path, "server")
+    monkeypatch.setenv(variable, str(public))
+    with pytest.raises(ValueError, match="Set both VLLM_K3_DRAFT_CURVE_SERVER_KEY"):
+        make_speculator(scripted_server.address)
 
 
 def test_unreachable_server_starts_without_drafts(make_speculator):
