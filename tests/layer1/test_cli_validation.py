@@ -2,18 +2,20 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """CLI validation at parse time and the start-up memory checks."""
 
+import json
 import logging
 import re
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
 import zmq.auth
-from k3_layer1_server import free_tcp_port
+from k3_layer1_server import RawClient, free_tcp_port
 from zmq.auth.thread import AuthenticationThread
 
 from vllm.entrypoints.k3_dspark_standalone import (
@@ -508,6 +510,45 @@ def test_a_transport_failure_after_start_up_ends_the_server_with_status_1(
     path.unlink()  # the socket file lost: no client can connect
     server.join(timeout=60)
     assert result == [1]
+
+
+def _get(port: int, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+        return r.read()
+
+
+def test_captured_graph_shapes_are_advertised_in_pong_status_and_metrics(
+    monkeypatch,
+):
+    # The engine's captured shapes, as a GPU engine would report them.
+    monkeypatch.setattr(
+        ReferenceEngine, "capture_cuda_graphs", lambda self: [(1, 1), (2, 4)]
+    )
+    port, address = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
+    args = parse_args(BASE + ["--status-port", str(port), "--address", address])
+    stop = threading.Event()
+    server = threading.Thread(target=run, args=(args, stop), daemon=True)
+    server.start()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            _get(port, "/readyz")
+            break
+        except OSError:  # not up yet, or 503 while loading
+            assert server.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
+    client = RawClient(address)
+    try:
+        pong, _ = client.call("PING")
+        assert pong["cuda_graph_shapes"] == [[1, 1], [2, 4]]
+        status = json.loads(_get(port, "/v1/status"))
+        assert status["cuda_graph_shapes"] == [[1, 1], [2, 4]]
+        metrics = _get(port, "/metrics").decode()
+        assert re.search(r"^k3_draft_cuda_graphs 2(\.0)?$", metrics, re.M), metrics
+    finally:
+        client.close()
+        stop.set()
+        server.join(timeout=60)
 
 
 def test_status_port_in_use_is_refused_in_one_line(caplog):

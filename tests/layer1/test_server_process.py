@@ -51,11 +51,24 @@ def test_pong_describes_the_server(raw_client):
     pong, frames = raw_client.call("PING")
     assert frames == [] and pong["op"] == "PONG"
     assert set(pong) == {"ok", "protocol", "op", *protocol.PONG_FIELDS}
-    assert (pong["method"], pong["context_width"], pong["max_batch_size"]) == (
-        "dflash",
-        WIDTH,
-        DEFAULT_OPTIONS["max_num_seqs"],
-    )
+    options = DEFAULT_OPTIONS
+    # Each bound as the server's flags set it (--max-num-seqs: the batch).
+    expected = {
+        "method": options["method"],
+        "context_width": WIDTH,
+        "vocab_size": options["vocab_size"],
+        "max_requests": options["max_requests"],
+        "max_batch_size": options["max_num_seqs"],
+        "max_speculative_tokens": options["max_speculative_tokens"],
+        "max_context_tokens": options["max_context_tokens"],
+        "max_model_len": options["max_model_len"],
+        "block_size": options["block_size"],
+        "window_size": options["window_size"],
+        "prefix_cache_tokens": options["prefix_cache_tokens"],
+        # On CPU nothing is captured.
+        "cuda_graph_shapes": [],
+    }
+    assert {key: pong[key] for key in expected} == expected
 
 
 def test_greedy_propose_reply_is_a_single_frame(raw_client):
