@@ -156,6 +156,16 @@ def test_incompatible_server_is_refused_at_init(make_speculator, scripted_server
         make_speculator(scripted_server.address)
 
 
+def test_another_speculative_method_with_a_remote_address_is_refused_at_init(
+    make_speculator, vllm_config_factory, scripted_server
+):
+    config = vllm_config_factory()
+    config.speculative_config.method = "eagle"
+    with pytest.raises(ValueError, match=r"serves methods .*, not 'eagle'"):
+        make_speculator(scripted_server.address, config)
+    assert scripted_server.ops() == []
+
+
 def test_watermarking_is_refused_at_init(tmp_path, make_speculator, scripted_server):
     from vllm.config import WatermarkConfig
 
