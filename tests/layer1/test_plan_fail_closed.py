@@ -7,6 +7,8 @@ server never would."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import random
 import threading
 import time
 from typing import Any
@@ -124,6 +126,74 @@ def test_bad_propose_reply_gives_no_draft_and_marks_stale(plan, scripted_server,
     result = plan.run(_step(["a", "b"]))
     assert (result.tokens == -1).all() and result.payloads == {}
     assert plan.retained["a"].stale and plan.retained["b"].stale
+
+
+# Values a fuzzed reply puts in place of a field or a token.
+FUZZ_VALUES: list[Any] = [
+    None,
+    True,
+    -1,
+    0,
+    1023,
+    1024,
+    2**63,
+    1.5,
+    float("nan"),
+    "",
+    "x",
+    [],
+    {},
+    [[1, 2, 3]],
+]
+
+
+def _fuzzed_reply(rng: random.Random) -> list[bytes]:
+    """A PROPOSE reply to two requests broken one way or another: bytes
+    changed, cut short, a field or a token replaced, frames added (now and
+    then, by chance, still well-formed)."""
+    header = _reply()[0]
+    kind = rng.randrange(5)
+    if kind == 0:
+        data = bytearray(header)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return [bytes(data)]
+    if kind == 1:
+        return [header[: rng.randrange(len(header))]]
+    fields = json.loads(header)
+    if kind == 2:
+        fields[rng.choice(sorted(fields))] = rng.choice(FUZZ_VALUES)
+    elif kind == 3:
+        fields["tokens"][rng.randrange(2)][rng.randrange(K)] = rng.choice(FUZZ_VALUES)
+    else:
+        extra = [rng.randbytes(rng.randrange(16)) for _ in range(rng.randint(1, 3))]
+        return [header, *extra]
+    return [json.dumps(fields).encode()]
+
+
+def test_thousands_of_fuzzed_propose_replies_never_pass_a_wrong_draft(
+    plan, scripted_server
+):
+    rng = random.Random(20261204)
+    drafted = 0
+    for _ in range(2000):
+        reply = _fuzzed_reply(rng)
+        scripted_server.handlers["PROPOSE"] = lambda header, frames, r=reply: r
+        tokens = plan.run(_step(["a", "b"])).tokens
+        if (tokens == NO_DRAFT).all():
+            continue
+        # Drafts come only from a reply that is whole and well-formed, and
+        # are exactly its tokens.
+        drafted += 1
+        assert len(reply) == 1
+        assert tokens.tolist() == json.loads(reply[0])["tokens"]
+        assert ((tokens >= 0) & (tokens < NEEDS.vocab_size)).all()
+    # Some mutations leave the reply valid (a timing's value, a token's
+    # digit): those steps draft, and the plan comes back for them.
+    assert drafted > 0
+    # Most steps got to their PROPOSE (a step whose retry's PONG came late
+    # does not send one).
+    assert scripted_server.ops().count("PROPOSE") >= 1000
 
 
 def test_timeout_gives_no_draft_and_renews_the_socket(plan, scripted_server):
