@@ -21,6 +21,7 @@ from toy_target import HIDDEN, NUM_AUX, make_input_batch, make_vllm_config
 
 from vllm.k3_draft.client import IncompatibleServerError
 from vllm.k3_draft.plan import RemotePlan
+from vllm.v1.worker.gpu.spec_decode.dspark import remote_speculator
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
     NoDraftIds,
@@ -89,6 +90,52 @@ def test_propose_sends_valid_rows_and_returns_contiguous_drafts(
 
 
 @pytest.mark.parametrize("flag", ["dummy_run", "is_profile"])
+class _RecordingRank0:
+    """Rank 0's TP group of two: keeps what it broadcasts."""
+
+    rank_in_group, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        assert src == 0
+        self.sent.append(tensor.clone())
+        return tensor
+
+
+class _ReplayingRank1:
+    """Rank 1's: receives rank 0's broadcasts, in order."""
+
+    rank_in_group, world_size = 1, 2
+
+    def __init__(self, sent: list[torch.Tensor]) -> None:
+        self.sent = iter(sent)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        assert src == 0
+        tensor.copy_(next(self.sent))
+        return tensor
+
+
+def test_every_tp_rank_returns_rank_0s_drafts_by_broadcast(
+    make_speculator, scripted_server, monkeypatch
+):
+    rank0, _ = make_speculator(scripted_server.address)
+    rank0.tp_group = recorder = _RecordingRank0()
+    drafts = _propose(rank0).clone()
+    assert (drafts == 5).all()
+    ops = scripted_server.ops()
+    monkeypatch.setattr(
+        remote_speculator, "get_tp_group", lambda: _ReplayingRank1(recorder.sent)
+    )
+    rank1, _ = make_speculator(scripted_server.address)
+    assert rank1.plan is None
+    assert torch.equal(_propose(rank1), drafts)
+    # Only rank 0 talks to the draft server.
+    assert scripted_server.ops() == ops
+
+
 def test_dummy_and_profile_runs_do_not_reach_the_server(
     make_speculator, scripted_server, flag
 ):
