@@ -6,6 +6,7 @@
 import dataclasses
 import json
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -96,6 +97,35 @@ def test_propose_returns_k_tokens_per_request_and_timings(server):
     assert [len(t) for t in reply["tokens"]] == [3, 3]
     assert set(reply["timing_ms"]) == set(protocol.TIMING_FIELDS)
     assert reply["latency_ms"] == reply["timing_ms"]["total"]
+
+
+def test_a_status_snapshot_waits_for_a_propose_in_the_engine(server, monkeypatch):
+    # The status thread reads the request table and counters only under the
+    # lock a PROPOSE holds while its engine runs.
+    inside, release = threading.Event(), threading.Event()
+    engine_propose = server.engine.propose
+
+    def held_propose(batch):
+        inside.set()
+        assert release.wait(30)
+        return engine_propose(batch)
+
+    monkeypatch.setattr(server.engine, "propose", held_propose)
+    replies: list[dict[str, Any]] = []
+    proposer = threading.Thread(
+        target=lambda: replies.append(propose(server, [entry("a", 20, 20, reset=True)]))
+    )
+    proposer.start()
+    assert inside.wait(30)
+    snapshots: list[dict[str, Any]] = []
+    reader = threading.Thread(target=lambda: snapshots.append(server.snapshot()))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not snapshots
+    release.set()
+    proposer.join(30)
+    reader.join(30)
+    assert replies[0]["ok"] and snapshots[0]["active_requests"] == 1
 
 
 def test_propose_advances_the_committed_end(server):
