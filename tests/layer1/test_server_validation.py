@@ -116,14 +116,16 @@ def test_a_status_snapshot_waits_for_a_propose_in_the_engine(server, monkeypatch
         target=lambda: replies.append(propose(server, [entry("a", 20, 20, reset=True)]))
     )
     proposer.start()
-    assert inside.wait(30)
     snapshots: list[dict[str, Any]] = []
     reader = threading.Thread(target=lambda: snapshots.append(server.snapshot()))
-    reader.start()
-    reader.join(0.3)
-    assert reader.is_alive() and not snapshots
-    release.set()
-    proposer.join(30)
+    try:
+        assert inside.wait(30)
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and not snapshots
+    finally:
+        release.set()
+        proposer.join(30)
     reader.join(30)
     assert replies[0]["ok"] and snapshots[0]["active_requests"] == 1
 
