@@ -89,7 +89,6 @@ def test_propose_sends_valid_rows_and_returns_contiguous_drafts(
     ]
 
 
-@pytest.mark.parametrize("flag", ["dummy_run", "is_profile"])
 class _RecordingRank0:
     """Rank 0's TP group of two: keeps what it broadcasts."""
 
@@ -136,6 +135,7 @@ def test_every_tp_rank_returns_rank_0s_drafts_by_broadcast(
     assert scripted_server.ops() == ops
 
 
+@pytest.mark.parametrize("flag", ["dummy_run", "is_profile"])
 def test_dummy_and_profile_runs_do_not_reach_the_server(
     make_speculator, scripted_server, flag
 ):
@@ -206,7 +206,8 @@ def test_incompatible_server_is_refused_at_init(make_speculator, scripted_server
 def test_another_speculative_method_with_a_remote_address_is_refused_at_init(
     make_speculator, vllm_config_factory, scripted_server
 ):
-    config = vllm_config_factory()
+    # A copy: the factory's configs are shared between tests.
+    config = copy.deepcopy(vllm_config_factory())
     config.speculative_config.method = "eagle"
     with pytest.raises(ValueError, match=r"serves methods .*, not 'eagle'"):
         make_speculator(scripted_server.address, config)
