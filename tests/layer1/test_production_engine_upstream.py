@@ -292,10 +292,11 @@ def _rotary_embedding(positions, query, key, head_size, cache, is_neox) -> None:
         key.copy_(k)
 
 
-@pytest.fixture
-def upstream_model(tmp_path, monkeypatch):
-    """``make(method, variant, device)`` -> (draft dir, target dir, upstream
-    model in float32 on ``device``, and in bf16 on CUDA)."""
+def upstream_vllm_config(draft: Path, target: Path, method: str) -> Any:
+    """The ``VllmConfig`` upstream builds the draft model from: the target
+    (float32, eager, ``LIMITS.max_model_len``) with the draft as its
+    speculative model, on CPU with every layer's native torch code
+    (``custom_ops=["none"]``)."""
     from vllm.config import (
         CompilationConfig,
         DeviceConfig,
@@ -303,8 +304,34 @@ def upstream_model(tmp_path, monkeypatch):
         ParallelConfig,
         SpeculativeConfig,
         VllmConfig,
-        set_current_vllm_config,
     )
+
+    model_config = ModelConfig(
+        model=str(target),
+        skip_tokenizer_init=True,
+        max_model_len=LIMITS.max_model_len,
+        dtype="float32",
+        enforce_eager=True,
+    )
+    return VllmConfig(
+        model_config=model_config,
+        speculative_config=SpeculativeConfig(
+            method=method,
+            model=str(draft),
+            num_speculative_tokens=K,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        ),
+        device_config=DeviceConfig(device="cpu"),
+        compilation_config=CompilationConfig(custom_ops=["none"]),
+    )
+
+
+@pytest.fixture
+def upstream_model(tmp_path, monkeypatch):
+    """``make(method, variant, device)`` -> (draft dir, target dir, upstream
+    model in float32 on ``device``, and in bf16 on CUDA)."""
+    from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
@@ -328,25 +355,7 @@ def upstream_model(tmp_path, monkeypatch):
         from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
         draft, target = write_checkpoints(tmp_path, method, variant)
-        model_config = ModelConfig(
-            model=str(target),
-            skip_tokenizer_init=True,
-            max_model_len=4096,
-            dtype="float32",
-            enforce_eager=True,
-        )
-        config = VllmConfig(
-            model_config=model_config,
-            speculative_config=SpeculativeConfig(
-                method=method,
-                model=str(draft),
-                num_speculative_tokens=K,
-                target_model_config=model_config,
-                target_parallel_config=ParallelConfig(),
-            ),
-            device_config=DeviceConfig(device="cpu"),
-            compilation_config=CompilationConfig(custom_ops=["none"]),
-        )
+        config = upstream_vllm_config(draft, target, method)
         if not model_parallel_is_initialized():
             init_single_rank_world(config)
             owned.append(True)

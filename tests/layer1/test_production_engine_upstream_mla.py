@@ -48,6 +48,7 @@ from test_production_engine_upstream import (
     draft_past_the_model_length,
     drafts_over_two_proposes,
     loaded_engine,
+    upstream_vllm_config,
     write_target,
 )
 from toy_target import init_single_rank_world
@@ -299,15 +300,7 @@ class Workspace:
 def upstream_model(tmp_path, monkeypatch):
     """``make(variant, device)`` -> (draft dir, target dir, upstream model in
     float32 on ``device``, and in bf16 on CUDA else None)."""
-    from vllm.config import (
-        CompilationConfig,
-        DeviceConfig,
-        ModelConfig,
-        ParallelConfig,
-        SpeculativeConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+    from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
@@ -351,25 +344,7 @@ def upstream_model(tmp_path, monkeypatch):
             dspark_mla, "current_workspace_manager", lambda: Workspace(device)
         )
         draft, target = write_checkpoints(tmp_path, variant)
-        model_config = ModelConfig(
-            model=str(target),
-            skip_tokenizer_init=True,
-            max_model_len=LIMITS.max_model_len,
-            dtype="float32",
-            enforce_eager=True,
-        )
-        config = VllmConfig(
-            model_config=model_config,
-            speculative_config=SpeculativeConfig(
-                method="dspark",
-                model=str(draft),
-                num_speculative_tokens=K,
-                target_model_config=model_config,
-                target_parallel_config=ParallelConfig(),
-            ),
-            device_config=DeviceConfig(device="cpu"),
-            compilation_config=CompilationConfig(custom_ops=["none"]),
-        )
+        config = upstream_vllm_config(draft, target, "dspark")
         if not model_parallel_is_initialized():
             init_single_rank_world(config)
             owned.append(True)

@@ -18,6 +18,7 @@ import zmq
 import zmq.auth
 from k3_layer1_server import DraftServerProcess, free_tcp_port
 from toy_target import HIDDEN, NUM_AUX, make_input_batch, make_vllm_config
+from tp_replay import RecordingRank0, ReplayingRank1
 
 from vllm.k3_draft.client import IncompatibleServerError
 from vllm.k3_draft.plan import RemotePlan
@@ -89,44 +90,16 @@ def test_propose_sends_valid_rows_and_returns_contiguous_drafts(
     ]
 
 
-class _RecordingRank0:
-    """Rank 0's TP group of two: keeps what it broadcasts."""
-
-    rank_in_group, world_size = 0, 2
-
-    def __init__(self) -> None:
-        self.sent: list[torch.Tensor] = []
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        assert src == 0
-        self.sent.append(tensor.clone())
-        return tensor
-
-
-class _ReplayingRank1:
-    """Rank 1's: receives rank 0's broadcasts, in order."""
-
-    rank_in_group, world_size = 1, 2
-
-    def __init__(self, sent: list[torch.Tensor]) -> None:
-        self.sent = iter(sent)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        assert src == 0
-        tensor.copy_(next(self.sent))
-        return tensor
-
-
 def test_every_tp_rank_returns_rank_0s_drafts_by_broadcast(
     make_speculator, scripted_server, monkeypatch
 ):
     rank0, _ = make_speculator(scripted_server.address)
-    rank0.tp_group = recorder = _RecordingRank0()
+    rank0.tp_group = recorder = RecordingRank0()
     drafts = _propose(rank0).clone()
     assert (drafts == 5).all()
     ops = scripted_server.ops()
     monkeypatch.setattr(
-        remote_speculator, "get_tp_group", lambda: _ReplayingRank1(recorder.sent)
+        remote_speculator, "get_tp_group", lambda: ReplayingRank1(recorder.sent)
     )
     rank1, _ = make_speculator(scripted_server.address)
     assert rank1.plan is None

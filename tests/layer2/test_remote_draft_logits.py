@@ -28,6 +28,7 @@ from toy_target import (
     DraftOracle,
     make_input_batch,
 )
+from tp_replay import RecordingRank0, ReplayingRank1
 
 from vllm import envs
 from vllm.k3_draft import protocol
@@ -369,28 +370,6 @@ def test_server_without_the_capability_is_refused_at_init(
 # ----------------------------------------------------- ranks and staging
 
 
-class _Rank0:
-    rank_in_group, world_size = 0, 2
-
-    def __init__(self) -> None:
-        self.sent: list[torch.Tensor] = []
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self.sent.append(tensor.clone())
-        return tensor
-
-
-class _Rank1:
-    rank_in_group, world_size = 1, 2
-
-    def __init__(self, sent: list[torch.Tensor]) -> None:
-        self.sent = list(sent)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        tensor.copy_(self.sent.pop(0))
-        return tensor
-
-
 def _reply_for(fmt: LogitsFormat, proposal: Proposal, seed: int):
     logits = torch.randn(
         len(proposal.request_ids),
@@ -426,12 +405,12 @@ def _context(
 def test_every_rank_publishes_the_same_drafts_and_cache(reference_gumbel, topk):
     fmt = LogitsFormat(40, topk)
     proposal = Proposal(("x", "y"), np.array([2, 0]), np.array([9, 30]), K)
-    rank0 = _Rank0()
+    rank0 = RecordingRank0()
     ext0 = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, rank0)
     payload = ext0.consume(*_reply_for(fmt, proposal, 1), proposal)
     drafts0 = torch.full((3, K), -1)
     ext0.publish(payload, _context(drafts0, [4, 1, 6]))
-    rank1 = _Rank1(rank0.sent)
+    rank1 = ReplayingRank1(rank0.sent)
     ext1 = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, rank1)
     drafts1 = torch.full((3, K), -1)
     ext1.publish(None, _context(drafts1, [4, 1, 6]))

@@ -816,24 +816,24 @@ class DraftCheckpoint:
         return state.reshape(-1)
 
 
+def _weight_names(latent: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """Checkpoint -> engine names of a Qwen3 or (``latent``) an MLA draft:
+    the global weights' and, under ``layers.<i>.``, the per-layer ones'."""
+    if latent:
+        return _LATENT_GLOBAL_WEIGHTS, _LATENT_LAYER_WEIGHTS
+    return _GLOBAL_WEIGHTS, _LAYER_WEIGHTS
+
+
 def _engine_name(
     checkpoint_name: str, num_layers: int, latent: bool
 ) -> tuple[str, int] | None:
     """(engine weight name, layer or -1) of a draft checkpoint tensor name:
     a Qwen3 draft's (with upstream's aliases) or, if ``latent``, an MLA
     draft's."""
-    if latent:
-        name, global_weights, layer_weights = (
-            checkpoint_name,
-            _LATENT_GLOBAL_WEIGHTS,
-            _LATENT_LAYER_WEIGHTS,
-        )
-    else:
-        name, global_weights, layer_weights = (
-            checkpoint_name.removeprefix("model."),
-            _GLOBAL_WEIGHTS,
-            _LAYER_WEIGHTS,
-        )
+    global_weights, layer_weights = _weight_names(latent)
+    name = checkpoint_name
+    if not latent:
+        name = name.removeprefix("model.")
         for alias, replacement in _ALIASES:
             if name.startswith(alias):
                 name = replacement + name[len(alias) :]
@@ -855,14 +855,13 @@ def _engine_name(
 def _checkpoint_name(engine_name: str, latent: bool, layer: int | None = None) -> str:
     """The draft checkpoint's name of engine weight ``engine_name``, for
     messages: a per-layer one's of ``layer`` (``layers.<i>.`` if None)."""
-    layer_weights = _LATENT_LAYER_WEIGHTS if latent else _LAYER_WEIGHTS
-    global_weights = _LATENT_GLOBAL_WEIGHTS if latent else _GLOBAL_WEIGHTS
-    for names, per_layer in ((layer_weights, True), (global_weights, False)):
-        for name, engine in names.items():
-            if engine == engine_name:
-                if not per_layer:
-                    return name
-                return f"layers.{'<i>' if layer is None else layer}.{name}"
+    global_weights, layer_weights = _weight_names(latent)
+    for name, engine in layer_weights.items():
+        if engine == engine_name:
+            return f"layers.{'<i>' if layer is None else layer}.{name}"
+    for name, engine in global_weights.items():
+        if engine == engine_name:
+            return name
     return engine_name
 
 
