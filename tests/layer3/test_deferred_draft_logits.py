@@ -220,7 +220,7 @@ def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
 
 
 @pytest.mark.parametrize("outstanding", [False, True])
-@pytest.mark.parametrize("failure", ["reply_thread", "consume"])
+@pytest.mark.parametrize("failure", ["reply_thread", "consume", "other_slot"])
 def test_failed_reply_with_logits_publishes_nothing_stale(
     make_speculator,
     make_runner,
@@ -231,7 +231,9 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
     outstanding,
 ):
     """The failed reply reuses a staging slot that an earlier good reply
-    filled: the failure must empty it, not leave that reply to publish."""
+    filled: the failure must empty it, not leave that reply to publish.
+    ``other_slot``: layer 2 consumes into another slot than the one layer 3
+    selected (and rank 0 publishes), which fails the reply."""
     speculator, _ = make_speculator(reference_server.address, probabilistic)
     strategy = _deferred(speculator, outstanding)
     runner = _runner(make_runner, speculator)
@@ -251,6 +253,13 @@ def test_failed_reply_with_logits_publishes_nothing_stale(
             raise RuntimeError("reply thread crashed")
 
         monkeypatch.setattr(speculator, "exchange", broken)
+    elif failure == "other_slot":
+        select = extension.select_staging
+
+        def select_other(index: int) -> None:
+            select((index + 1) % NUM_STAGING_SLOTS)
+
+        monkeypatch.setattr(extension, "select_staging", select_other)
     else:
         _fail_consume(extension, monkeypatch)
     failing = NUM_STAGING_SLOTS

@@ -573,6 +573,28 @@ def test_steps_defer_only_after_the_worker_s_kernel_warm_up(
     runner.execute_model(scheduler_output(set(), []))
 
 
+def test_without_the_kernel_warm_up_no_step_defers_and_the_worker_says_so(
+    make_speculator, scripted_server, make_runner, make_worker, caplog
+):
+    """enforce_eager turns the JIT warm-up off: every reply then resolves
+    synchronously, and a warning says why."""
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)
+    runner = make_runner(speculator, log, K)
+    runner.execute_model(scheduler_output(set(), ["a"]))
+    slot = runner.req_states.req_id_to_index["a"]
+    worker = make_worker(runner, lambda *args: None)
+    worker.vllm_config.kernel_config.enable_jit_warmup = False
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_draft.deferred"):
+        worker.compile_or_warm_up_model()
+    _sample_tokens(runner, _batch(["a"], [slot], start=20))
+    assert runner.k3_deferred is not None and not runner.k3_deferred.pending
+    assert log[-2:] == [("store", ["a"], [slot]), ("output_copy", ["a"])]
+    (record,) = caplog.records
+    assert "Deferred draft resolution stays off" in record.getMessage()
+
+
 @pytest.mark.parametrize(
     ("error", "traceback"),
     [(RuntimeError("plan bug"), True), (protocol.ProtocolError("bad reply"), False)],

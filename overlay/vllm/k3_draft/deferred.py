@@ -468,3 +468,21 @@ def install_deferred_resolution(speculator: object) -> DeferredResolution | None
         return None
     speculator.resolution = strategy
     return strategy
+
+
+def kernels_warmed_up(model_runner: object, ran: bool) -> None:
+    """Worker, after its kernel warm-up (``ran``) or instead of one: steps of
+    ``model_runner`` may defer only once every kernel of a step has run, so
+    without the warm-up (``enforce_eager`` turns it off) every draft reply
+    resolves synchronously, which is said once here."""
+    strategy = getattr(model_runner, "k3_deferred", None)
+    if strategy is None:
+        return
+    if ran:
+        strategy.warmed = True
+        return
+    logger.warning(
+        "Deferred draft resolution stays off: the kernel warm-up did not run "
+        "(enforce_eager or kernel_config.enable_jit_warmup=False), so draft "
+        "replies resolve synchronously"
+    )
