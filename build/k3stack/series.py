@@ -86,7 +86,8 @@ def load_stack(root: Path) -> Stack:
     entry listed twice, an overlay file claimed by two layers or by none, a
     claimed file that is missing or a symlink, an overlay path outside
     ``vllm/``, an ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled
-    plainly, a diff of a file that is neither packaged nor an upstream test.
+    plainly, a diff of a file that is neither packaged nor an upstream test,
+    a diff of an overlay file (any layer's: a diff changes upstream files).
     """
     patches_dir = root / "patches"
     entries = read_series(patches_dir)
@@ -143,6 +144,14 @@ def load_stack(root: Path) -> Stack:
         for p in overlay_dir.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     )
+    for layer in layers:
+        for fp in layer.patch.files:
+            if fp.path in owner:
+                raise StackError(
+                    f"{layer.name}: the diff changes {fp.path}, an overlay file of "
+                    f"{owner[fp.path]}; refused: a diff changes upstream files "
+                    "only (a layer never edits a lower layer's files)"
+                )
     unclaimed = [rel for rel in on_disk if rel not in owner]
     if unclaimed:
         raise StackError(

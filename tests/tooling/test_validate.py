@@ -26,6 +26,29 @@ def test_an_overlay_file_claimed_by_two_layers_is_refused(filled: Synthetic) -> 
         load_stack(filled.root)
 
 
+@pytest.mark.parametrize("path", ["vllm/remote/__init__.py", "vllm/logits.py"])
+def test_a_diff_that_edits_an_overlay_file_is_refused(
+    filled: Synthetic, path: str
+) -> None:
+    # Layer 2's diff edits layer 1's overlay file, or its own: a layer's diff
+    # changes upstream files only (apply would take it, refresh refuse it).
+    owner = "0001-layer-1.patch" if "remote" in path else "0002-layer-2.patch"
+    old = (filled.root / "overlay" / path).read_bytes()
+    patch = filled.root / "patches" / "0002-layer-2.patch"
+    patch.write_bytes(
+        patch.read_bytes()
+        + f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n".encode()
+        + b"@@ -1 +1 @@\n-"
+        + old
+        + b"+X = 2\n"
+    )
+    with pytest.raises(StackError) as info:
+        load_stack(filled.root)
+    assert str(info.value).startswith(f"0002-layer-2.patch: the diff changes {path}")
+    assert f"overlay file of {owner}" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
 def test_a_series_entry_without_a_file_is_refused(synthetic: Synthetic) -> None:
     (synthetic.root / "patches" / "0002-layer-2.patch").unlink()
     with pytest.raises(StackError, match="lists 0002-layer-2.patch, which does not"):
