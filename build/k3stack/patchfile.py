@@ -205,12 +205,20 @@ def load(path: Path) -> LayerPatch:
     return LayerPatch(subject, fields, diff, parse_diff(diff, where))
 
 
+def split_lines(data: bytes) -> list[bytes]:
+    """The lines of ``data`` as git counts them, each with its ending: only
+    b"\\n" ends a line (a b"\\r" inside one is part of it)."""
+    lines = [line + b"\n" for line in data.split(b"\n")]
+    lines[-1] = lines[-1][:-1]
+    return lines if lines[-1] else lines[:-1]
+
+
 def parse_diff(diff: bytes, where: str) -> list[FilePatch]:
     """Parse a git diff of modified or deleted files."""
     files: list[FilePatch] = []
     current: FilePatch | None = None
     hunk: Hunk | None = None
-    for number, line in enumerate(diff.splitlines(keepends=True), start=1):
+    for number, line in enumerate(split_lines(diff), start=1):
         if hunk is not None and _complete(hunk) and line[:1] in (b" ", b"-", b"+"):
             raise StackError(
                 f"{where}: {current.path if current else '?'} hunk "
@@ -405,7 +413,7 @@ def apply_exact(source: bytes, patch: FilePatch) -> bytes:
     follow from the old ones, and a deletion must remove every line; anything
     else raises HunkMismatch.
     """
-    src = source.splitlines(keepends=True)
+    src = split_lines(source)
     out: list[bytes] = []
     pos = 0
     delta = 0

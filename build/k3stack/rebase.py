@@ -31,7 +31,7 @@ from pathlib import Path
 from k3stack import StackError
 from k3stack.fetch import cache_dir, download, pip_index_url, project_files, sha256_file
 from k3stack.gitutil import EPOCH, git, git_bytes, merge_file
-from k3stack.patchfile import HunkMismatch, apply_exact
+from k3stack.patchfile import HunkMismatch, apply_exact, split_lines
 from k3stack.pin import PIN_FILE, Pin, load_pin
 from k3stack.series import Layer, Stack
 from k3stack.upstream import checkout_head, export_checkout, extract_sdist
@@ -44,8 +44,8 @@ from k3stack.worktree import (
     write_marker,
 )
 
-_CONFLICT_START = re.compile(r"^<{7}( |$)")
-_CONFLICT_END = re.compile(r"^>{7}( |$)")
+_CONFLICT_START = re.compile(rb"^<{7}( |$)")
+_CONFLICT_END = re.compile(rb"^>{7}( |$)")
 # What git keeps in .git while a rebase stops (merge and apply backends).
 _REBASE_STATE = ("rebase-merge", "rebase-apply")
 
@@ -165,8 +165,7 @@ def _landed_as_a_stack(tree: Path, stack: Stack) -> set[int]:
 
 def _conflict_hunks(tree: Path, path: str) -> list[str]:
     ranges, start = [], None
-    text = (tree / path).read_text(errors="replace").splitlines()
-    for number, line in enumerate(text, start=1):
+    for number, line in enumerate(split_lines((tree / path).read_bytes()), start=1):
         if _CONFLICT_START.match(line):
             start = number
         elif _CONFLICT_END.match(line) and start is not None:

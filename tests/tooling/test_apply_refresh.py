@@ -758,6 +758,33 @@ def test_refresh_quotes_file_names_whatever_the_tree_s_quote_path_setting(
     assert b'diff --git "a/vllm/na\\303\\257ve.py" "b/vllm/na\\303\\257ve.py"' in patch
 
 
+def test_a_layer_beside_a_line_with_a_bare_cr_round_trips_and_applies_exactly(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    # Git ends lines at "\n" only: the "\r" inside a line is part of it.
+    text = "A = 1\nS = 'x\ry'\nB = 2\n" + "".join(f"X_{i} = {i}\n" for i in range(6))
+    sdist = make_sdist(
+        tmp_path / "vllm-1.0-cr.tar.gz", dict(UPSTREAM_FILES, **{"vllm/cr.py": text})
+    )
+    filled.apply(sdist=sdist)
+    changed = text.replace("B = 2\n", "B = 3\n")
+    filled.amend(1, {"vllm/cr.py": changed})
+    assert "patches/0001-layer-1.patch: updated" in refresh(
+        filled.stack(), filled.tree, today=dt.date(2026, 11, 3)
+    )
+    (fp,) = [
+        fp for fp in filled.stack().layer(1).patch.files if fp.path == "vllm/cr.py"
+    ]
+    assert fp.hunks[0].lines[1] == (b" ", b"S = 'x\ry'\n")
+    git(filled.root, "add", "-A")
+    git(filled.root, "commit", "-q", "-m", "layer 1 changes cr.py")
+    filled.apply(sdist=sdist)
+    assert (filled.tree / "vllm/cr.py").read_bytes() == changed.encode()
+    before = snapshot(filled)
+    assert refresh(filled.stack(), filled.tree) == []
+    assert snapshot(filled) == before
+
+
 def one_file(hunks: bytes) -> FilePatch:
     (fp,) = parse_diff(b"diff --git a/f b/f\n--- a/f\n+++ b/f\n" + hunks, "test")
     return fp

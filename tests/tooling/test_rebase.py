@@ -89,6 +89,19 @@ def test_rebase_reports_the_conflicting_files_and_hunks(
     assert [r.status for r in results[1:]] == ["clean", "clean"]
 
 
+def test_rebase_counts_conflict_lines_as_git_does_past_a_bare_cr(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    files = envs_conflicting_with_layer_1()
+    files["vllm/envs.py"] = "S = 'x\ry'\n" + files["vllm/envs.py"]
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    # Line 7 is SETTING_5's: the "\r" inside line 1 ends no line.
+    assert "vllm/envs.py:7-11" in results[0].hunks
+
+
 def test_rebase_recognises_a_layer_that_is_already_upstream(
     filled: Synthetic, tmp_path: Path
 ) -> None:
