@@ -40,6 +40,7 @@ from k3stack.worktree import (
     commit_all,
     current_marker,
     layer_tag,
+    overlay_blocker,
     read_marker,
     write_marker,
 )
@@ -82,13 +83,15 @@ def _exact_failures(tree: Path, layer: Layer, reverse: bool) -> list[str]:
 
 def _overlay_states(tree: Path, stack: Stack, layer: Layer) -> dict[str, str]:
     """Each overlay file of ``layer`` on ``tree``: 'absent', 'identical' (the
-    same bytes) or 'clash' (other bytes)."""
+    same bytes) or 'clash' (other bytes, or a folder or file in its way)."""
     states = {}
     for rel in layer.patch.overlay:
         target = tree / rel
-        if not target.exists():
+        if overlay_blocker(tree, rel) is None:
             states[rel] = "absent"
-        elif target.read_bytes() == (stack.overlay_dir / rel).read_bytes():
+        elif target.is_file() and (
+            target.read_bytes() == (stack.overlay_dir / rel).read_bytes()
+        ):
             states[rel] = "identical"
         else:
             states[rel] = "clash"

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from k3stack import StackError
 from k3stack.gitutil import dirty_paths, git, is_work_tree
@@ -211,13 +211,31 @@ def apply_layer(tree: Path, stack: Stack, layer: Layer) -> None:
             target.write_bytes(patched)
     for rel in layer.patch.overlay:
         target = tree / rel
-        if target.exists():
+        if target.is_file():
             raise StackError(
                 f"layer {layer.number} ({layer.name}): overlay file {rel} exists "
                 "upstream; changes to upstream files belong in the diff"
             )
+        blocker = overlay_blocker(tree, rel)
+        if blocker is not None:
+            kind = "folder" if (tree / blocker).is_dir() else "file"
+            raise StackError(
+                f"layer {layer.number} ({layer.name}) does not apply: overlay file "
+                f"{rel} goes where upstream has the {kind} {blocker}"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(stack.overlay_dir / rel, target)
+
+
+def overlay_blocker(tree: Path, rel: str) -> str | None:
+    """What stands in ``tree`` where overlay file ``rel`` goes: ``rel``
+    itself, or a parent of it that is not a folder; None if nothing does."""
+    path = PurePosixPath(rel)
+    for part in [*reversed(path.parents[:-1]), path]:
+        target = tree / part
+        if target.exists() and (part == path or not target.is_dir()):
+            return part.as_posix()
+    return None
 
 
 def build_tree(

@@ -156,6 +156,30 @@ def test_apply_refuses_a_tree_path_that_is_a_file(filled: Synthetic) -> None:
     assert filled.tree.read_text() == "not a tree\n"
 
 
+@pytest.mark.parametrize(
+    ("upstream", "message"),
+    [
+        (
+            {"vllm/remote": "x\n"},
+            "layer 1 (0001-layer-1.patch) does not apply: overlay file "
+            "vllm/remote/__init__.py goes where upstream has the file vllm/remote",
+        ),
+        (
+            {"vllm/logits.py/__init__.py": "x\n"},
+            "layer 2 (0002-layer-2.patch) does not apply: overlay file "
+            "vllm/logits.py goes where upstream has the folder vllm/logits.py",
+        ),
+    ],
+)
+def test_apply_refuses_an_overlay_file_where_upstream_has_a_file_or_folder(
+    filled: Synthetic, tmp_path: Path, upstream: dict[str, str], message: str
+) -> None:
+    sdist = make_sdist(tmp_path / "other.tar.gz", dict(UPSTREAM_FILES, **upstream))
+    with pytest.raises(StackError) as info:
+        filled.apply(sdist=sdist)
+    assert str(info.value) == message
+
+
 def test_a_binary_change_is_refused_with_its_reason() -> None:
     diff = (
         b"diff --git a/vllm/logo.png b/vllm/logo.png\n"

@@ -416,6 +416,32 @@ def test_an_overlay_file_upstream_has_with_other_bytes_is_a_conflict(
     assert results[1].files == ["vllm/logits.py"]
 
 
+@pytest.mark.parametrize(
+    ("upstream", "number", "overlay"),
+    [
+        # A file where layer 1's overlay file needs a folder.
+        ({"vllm/remote": "x\n"}, 1, "vllm/remote/__init__.py"),
+        # A folder where layer 2's overlay file goes.
+        ({"vllm/logits.py/__init__.py": "TOPK = 32\n"}, 2, "vllm/logits.py"),
+    ],
+)
+def test_an_overlay_file_where_upstream_has_a_folder_or_file_is_a_conflict(
+    filled: Synthetic,
+    tmp_path: Path,
+    upstream: dict[str, str],
+    number: int,
+    overlay: str,
+) -> None:
+    filled.apply()
+    files = dict(UPSTREAM_FILES, **upstream)
+    results = classify(
+        filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n"
+    )
+    assert [r.status for r in results if r.number != number] == ["clean", "clean"]
+    assert results[number - 1].status == "conflict"
+    assert f"overlay: {overlay}" in results[number - 1].files
+
+
 def test_a_layer_whose_diff_is_upstream_but_one_new_file_is_not_still_lands(
     filled: Synthetic, tmp_path: Path
 ) -> None:
