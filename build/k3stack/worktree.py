@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ MARKER = "k3stack-applied.json"
 # apply builds the tree in ``.<tree name><STAGING_MARK><random>`` beside it.
 STAGING_MARK = ".k3stack-apply-"
 UPSTREAM_TAG = "upstream"
+# A diff's extended header line naming the blobs (hunk lines start otherwise).
+_INDEX_LINE = re.compile(rb"^index .*\n", re.MULTILINE)
 
 
 def layer_tag(n: int) -> str:
@@ -77,10 +80,13 @@ def write_marker(tree: Path, layers: int, digests: Sequence[str | None]) -> None
 
 
 def layer_digest(patch: LayerPatch, overlay: dict[str, bytes]) -> str:
-    """A layer's content: its patch (Last-Update aside) and its overlay files."""
+    """A layer's content: its patch (Last-Update and the diff's ``index``
+    lines aside: their blob ids, abbreviated or not, follow from upstream and
+    the hunks) and its overlay files."""
     fields = dict(patch.fields, **{"Last-Update": "1970-01-01"})
     fields["Overlay"] = "\n".join(sorted(patch.overlay))
-    digest = hashlib.sha256(LayerPatch(patch.subject, fields, patch.diff).render())
+    diff = _INDEX_LINE.sub(b"", patch.diff)
+    digest = hashlib.sha256(LayerPatch(patch.subject, fields, diff).render())
     for rel, data in sorted(overlay.items()):
         digest.update(b"\0" + rel.encode() + b"\0" + data)
     return digest.hexdigest()

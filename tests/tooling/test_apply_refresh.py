@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,26 @@ def test_apply_upto_stops_after_that_layer(filled: Synthetic) -> None:
 
 
 def test_refresh_right_after_apply_changes_nothing(filled: Synthetic) -> None:
+    filled.apply()
+    before = snapshot(filled)
+    assert refresh(filled.stack(), filled.tree) == []
+    assert snapshot(filled) == before
+
+
+def test_refresh_after_apply_keeps_a_patch_with_git_s_short_index_lines(
+    filled: Synthetic,
+) -> None:
+    # `git format-patch` without --full-index abbreviates the blob ids: the
+    # layer is the same, so refresh leaves the file as it is.
+    patch = filled.root / "patches" / "0001-layer-1.patch"
+    short = re.sub(
+        rb"(?m)^index ([0-9a-f]{7})[0-9a-f]{33}\.\.([0-9a-f]{7})[0-9a-f]{33}",
+        rb"index \1..\2",
+        patch.read_bytes(),
+    )
+    assert short != patch.read_bytes()
+    patch.write_bytes(short)
+    git(filled.root, "commit", "-qam", "short index lines")
     filled.apply()
     before = snapshot(filled)
     assert refresh(filled.stack(), filled.tree) == []
