@@ -82,8 +82,9 @@ def read_series(patches_dir: Path) -> list[str]:
 def load_stack(root: Path) -> Stack:
     """Load and validate the stack of the checkout at ``root``.
 
-    Refused: a series entry without a file, a patch file not in the series, an
-    entry listed twice, an overlay file claimed by two layers or by none, a
+    Refused: a series entry without a file, a patch file (``*.patch`` or
+    ``*.diff``, in any folder of ``patches/``) not in the series, an entry
+    listed twice, an overlay file claimed by two layers or by none, a
     claimed file that is missing or a symlink, an overlay path outside
     ``vllm/``, an ``Overlay``/``Upstream-Tests``/``Suite`` path not spelled
     plainly, a diff of a file that is neither packaged nor an upstream test,
@@ -98,7 +99,12 @@ def load_stack(root: Path) -> Stack:
         seen.add(entry)
         if not (patches_dir / entry).is_file():
             raise StackError(f"patches/series lists {entry}, which does not exist")
-    unlisted = sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in seen)
+    unlisted = sorted(
+        rel
+        for p in patches_dir.rglob("*")
+        if p.suffix in (".patch", ".diff")
+        and (rel := p.relative_to(patches_dir).as_posix()) not in seen
+    )
     if unlisted:
         raise StackError(f"patch files not in patches/series: {', '.join(unlisted)}")
     layers = [

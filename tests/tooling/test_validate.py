@@ -61,6 +61,17 @@ def test_a_patch_file_not_in_the_series_is_refused(synthetic: Synthetic) -> None
         load_stack(synthetic.root)
 
 
+@pytest.mark.parametrize("rel", ["0009-stray.diff", "old/0009-stray.patch"])
+def test_a_diff_or_a_patch_in_a_subfolder_not_in_the_series_is_refused(
+    synthetic: Synthetic, rel: str
+) -> None:
+    stray = synthetic.root / "patches" / rel
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_text("x")
+    with pytest.raises(StackError, match=f"not in patches/series: {rel}$"):
+        load_stack(synthetic.root)
+
+
 def test_an_overlay_file_no_layer_claims_is_refused(synthetic: Synthetic) -> None:
     (synthetic.root / "overlay" / "vllm" / "orphan.py").write_text("")
     with pytest.raises(StackError, match="claimed by no layer: vllm/orphan.py"):
