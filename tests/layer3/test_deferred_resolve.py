@@ -380,6 +380,19 @@ def _propose(speculator: Any, batch: Any, **kwargs: Any) -> torch.Tensor:
     )
 
 
+def _runner_of_request_a(
+    make_speculator: Any, scripted_server: Any, make_runner: Any
+) -> tuple[Any, int, list[tuple]]:
+    """A runner whose speculator resolves deferred (not warmed up: every
+    step synchronous) with request "a" added; its slot and the runner's log."""
+    log: list[tuple] = []
+    speculator, _ = make_speculator(scripted_server.address)
+    install_deferred_resolution(speculator)
+    runner = make_runner(speculator, log, K)
+    runner.execute_model(scheduler_output(set(), ["a"]))
+    return runner, runner.req_states.req_id_to_index["a"], log
+
+
 def _deferred(speculator: Any) -> DeferredResolution:
     strategy = install_deferred_resolution(speculator)
     assert strategy is not None
@@ -537,12 +550,9 @@ def test_failed_reply_yields_no_draft_and_disables_the_requests(
 def test_a_step_that_resolves_synchronously_stores_its_drafts_at_once(
     make_speculator, scripted_server, make_runner
 ):
-    log: list[tuple] = []
-    speculator, _ = make_speculator(scripted_server.address)
-    install_deferred_resolution(speculator)  # not warmed up: synchronous
-    runner = make_runner(speculator, log, K)
-    runner.execute_model(scheduler_output(set(), ["a"]))
-    slot = runner.req_states.req_id_to_index["a"]
+    runner, slot, log = _runner_of_request_a(
+        make_speculator, scripted_server, make_runner
+    )
     _sample_tokens(runner, _batch(["a"], [slot]))
     assert runner.k3_deferred is not None and not runner.k3_deferred.pending
     assert log[-2:] == [("store", ["a"], [slot]), ("output_copy", ["a"])]
@@ -554,12 +564,9 @@ def test_steps_defer_only_after_the_worker_s_kernel_warm_up(
 ):
     """Warm-up steps resolve synchronously (a kernel first loaded behind a
     parked stream hangs the process); the steps after the warm-up defer."""
-    log: list[tuple] = []
-    speculator, _ = make_speculator(scripted_server.address)
-    install_deferred_resolution(speculator)
-    runner = make_runner(speculator, log, K)
-    runner.execute_model(scheduler_output(set(), ["a"]))
-    slot = runner.req_states.req_id_to_index["a"]
+    runner, slot, _ = _runner_of_request_a(
+        make_speculator, scripted_server, make_runner
+    )
     deferred_in_warm_up: list[bool] = []
 
     def warm_up(model_runner: Any, execute_model: Any, sample_tokens: Any) -> None:
@@ -578,12 +585,9 @@ def test_without_the_kernel_warm_up_no_step_defers_and_the_worker_says_so(
 ):
     """enforce_eager turns the JIT warm-up off: every reply then resolves
     synchronously, and a warning says why."""
-    log: list[tuple] = []
-    speculator, _ = make_speculator(scripted_server.address)
-    install_deferred_resolution(speculator)
-    runner = make_runner(speculator, log, K)
-    runner.execute_model(scheduler_output(set(), ["a"]))
-    slot = runner.req_states.req_id_to_index["a"]
+    runner, slot, log = _runner_of_request_a(
+        make_speculator, scripted_server, make_runner
+    )
     worker = make_worker(runner, lambda *args: None)
     worker.vllm_config.kernel_config.enable_jit_warmup = False
     with caplog.at_level(logging.WARNING, logger="vllm.k3_draft.deferred"):
