@@ -22,6 +22,7 @@ from k3stack.series import PACKAGE_ROOTS, Stack
 from k3stack.wheel import WheelChanges, build_wheel
 from k3stack.worktree import (
     UPSTREAM_TAG,
+    applied_source,
     layer_tag,
     lock_folder,
     remove_stale_staging,
@@ -78,6 +79,7 @@ def build(
     it was (and the staging folder of a killed one goes at the next build).
     """
     context = out_dir / "image"
+    source = applied_source(tree)
     if out_dir.exists() and not out_dir.is_dir():
         raise StackError(f"build: {out_dir} exists and is not a directory; refused")
     if context.is_symlink() or (context.exists() and not context.is_dir()):
@@ -99,7 +101,9 @@ def build(
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
         lock = lock_folder(staging)
         try:
-            staged = _build_in(stack, pin, tree, upstream_wheel, staging, layers)
+            staged = _build_in(
+                stack, pin, tree, source, upstream_wheel, staging, layers
+            )
             return _publish(staged, out_dir, pin)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -148,6 +152,7 @@ def _build_in(
     stack: Stack,
     pin: Pin,
     tree: Path,
+    source: dict,
     upstream_wheel: Path,
     out_dir: Path,
     layers: int,
@@ -191,7 +196,9 @@ def _build_in(
             "name": pin.name,
             "version": pin.version,
             "commit": pin.commit,
-            "sdist": {"filename": pin.sdist.filename, "sha256": pin.sdist.sha256},
+            # The input apply laid the tree out from: "sdist" (file name and
+            # sha256) or "checkout" (the full commit id; not its path).
+            **source,
             "wheel": {
                 "filename": upstream_wheel.name,
                 "sha256": sha256_file(upstream_wheel),

@@ -16,7 +16,7 @@ from k3stack.gitutil import git
 from k3stack.pin import Pin, load_pin
 from k3stack.refresh import refresh
 from k3stack.series import Stack, check_suites, load_stack
-from k3stack.upstream import export_checkout, extract_sdist
+from k3stack.upstream import from_checkout, from_sdist
 from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +32,9 @@ def do_apply(
     stack: Stack, pin: Pin, tree: Path, upto: int | None, source: Path | None
 ) -> None:
     if source is None:
-        sdist = fetch(pin.sdist, pin.name)
-
-        def lay_out(dest: Path) -> None:
-            extract_sdist(sdist, dest)
-
+        lay_out = from_sdist(fetch(pin.sdist, pin.name))
     else:
-
-        def lay_out(dest: Path) -> None:
-            export_checkout(source, dest, pin.commit)
-
+        lay_out = from_checkout(source, pin.commit)
     build_tree(stack, tree, lay_out, pristine_message(pin), upto)
 
 

@@ -34,7 +34,7 @@ from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
 from k3stack.pin import Pin
 from k3stack.series import Layer, Stack, check_suites
-from k3stack.upstream import extract_sdist, require_tar_filters
+from k3stack.upstream import from_sdist, require_tar_filters
 from k3stack.worktree import UPSTREAM_TAG, build_tree, layer_tag
 
 TEST_ENV = {
@@ -593,7 +593,7 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         build_tree(
             stack,
             tree,
-            lambda d: extract_sdist(sdist, d),
+            from_sdist(sdist),
             f"{pin.name} {pin.version} pristine\n",
             upto,
         )

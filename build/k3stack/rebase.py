@@ -34,7 +34,13 @@ from k3stack.gitutil import EPOCH, git, git_bytes, merge_file
 from k3stack.patchfile import HunkMismatch, apply_exact, split_lines
 from k3stack.pin import PIN_FILE, Pin, load_pin
 from k3stack.series import Layer, Stack
-from k3stack.upstream import checkout_head, export_checkout, extract_sdist
+from k3stack.upstream import (
+    checkout_head,
+    checkout_source,
+    export_checkout,
+    extract_sdist,
+    sdist_source,
+)
 from k3stack.worktree import (
     UPSTREAM_TAG,
     commit_all,
@@ -362,12 +368,15 @@ def refuse_landed_layers(results: list[LayerResult], target: str) -> None:
         )
 
 
-def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> None:
+def port_tree(
+    stack: Stack, tree: Path, new_upstream: Path, message: str, source: dict
+) -> None:
     """Rebase the layer commits of ``tree`` (one ``check_portable``
     accepted) onto a pristine commit of ``new_upstream`` (made as apply makes
-    one, with ``message``), which becomes the tree's upstream. ``StackError``
-    naming the layer if git stops at a conflict: the tree is left mid-rebase
-    for the maintainer."""
+    one, with ``message``; ``source``: the input it was laid out from, as
+    ``build_tree``'s lay-out returns it), which becomes the tree's upstream.
+    ``StackError`` naming the layer if git stops at a conflict: the tree is
+    left mid-rebase for the maintainer."""
     old = git(tree, "rev-parse", f"{UPSTREAM_TAG}^{{commit}}")
     with tempfile.TemporaryDirectory(prefix="k3stack-port-") as scratch:
         pristine = Path(scratch) / "pristine"
@@ -380,7 +389,7 @@ def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> Non
     marker = read_marker(tree)
     git(tree, "tag", "-f", UPSTREAM_TAG, new)
     # No layer is as patches/ hold it: refresh writes every one back.
-    write_marker(tree, layers, [None] * layers)
+    write_marker(tree, layers, [None] * layers, source)
     try:
         # One commit per layer whatever git makes of it: the series and
         # refresh count on that.
@@ -399,7 +408,12 @@ def port_tree(stack: Stack, tree: Path, new_upstream: Path, message: str) -> Non
         if not _rebase_stopped(tree):
             # Not a conflict: the tree stays as it was.
             git(tree, "tag", "-f", UPSTREAM_TAG, old)
-            write_marker(tree, marker["layers"], marker.get("digests") or [])
+            write_marker(
+                tree,
+                marker["layers"],
+                marker.get("digests") or [],
+                marker.get("source"),
+            )
             raise
     else:
         return
@@ -456,10 +470,12 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
             head = export_checkout(args.checkout, new)
             target = f"{args.checkout} at {head[:12]}"
             info: dict = {"checkout": str(args.checkout), "commit": head}
+            source = checkout_source(head)
         else:
             sdist, info = fetch_release(pin, args.to)
             extract_sdist(sdist, new)
-            info["sdist_sha256"] = sha256_file(sdist)
+            source = sdist_source(sdist)
+            info["sdist_sha256"] = source["sdist"]["sha256"]
             target = f"{pin.name} {args.to}"
         results = classify(stack, tree, new, f"{target}\n")
         try:
@@ -488,7 +504,7 @@ def rebase_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
             print(f"rebase: pinned {pin.name} {args.to} in {PIN_FILE}")
         if args.port:
             try:
-                port_tree(stack, args.tree, new, pristine_message(load_pin()))
+                port_tree(stack, args.tree, new, pristine_message(load_pin()), source)
             except StackError:
                 if not _rebase_stopped(args.tree):
                     # Not a conflict: the tree stays as it was, so does the pin.

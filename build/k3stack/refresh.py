@@ -224,6 +224,7 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
             on_disk[i] if layer.number in written else applied_digests[i]
             for i, layer in enumerate(layers)
         ],
+        marker.get("source"),
     )
     return changed
 

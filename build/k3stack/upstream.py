@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import platform
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 from k3stack import StackError
+from k3stack.fetch import sha256_file
 from k3stack.gitutil import git, git_bytes, is_work_tree
 
 
@@ -50,6 +52,35 @@ def extract_sdist(sdist: Path, dest: Path) -> None:
         tar.extractall(dest, members=members, filter=strip)
 
 
+_SOURCE_FIELDS = {"sdist": {"filename", "sha256"}, "checkout": {"commit"}}
+
+
+def sdist_source(sdist: Path) -> dict:
+    """The upstream input record (apply's marker, build's lock) of a tree laid
+    out from ``sdist``."""
+    return {"sdist": {"filename": sdist.name, "sha256": sha256_file(sdist)}}
+
+
+def checkout_source(commit: str) -> dict:
+    """The upstream input record of a tree exported from a git checkout at
+    ``commit`` (the full id; the checkout's path, this machine's, is not
+    part of it)."""
+    return {"checkout": {"commit": commit}}
+
+
+def source_ok(source: object) -> bool:
+    """Whether ``source`` is a record ``sdist_source`` or ``checkout_source``
+    makes."""
+    if not (isinstance(source, dict) and len(source) == 1):
+        return False
+    [(kind, fields)] = source.items()
+    return (
+        isinstance(fields, dict)
+        and set(fields) == _SOURCE_FIELDS.get(kind)
+        and all(isinstance(value, str) and value for value in fields.values())
+    )
+
+
 def checkout_head(checkout: Path) -> str:
     """The full hash of the commit at HEAD of the git checkout ``checkout``;
     ``StackError`` if it is no checkout or HEAD names no commit."""
@@ -86,3 +117,20 @@ def export_checkout(checkout: Path, dest: Path, commit: str | None = None) -> st
     finally:
         tar_path.unlink()
     return head
+
+
+def from_sdist(sdist: Path) -> Callable[[Path], dict]:
+    """A lay-out for ``worktree.build_tree``: ``sdist`` extracted, recorded
+    as the input."""
+
+    def lay_out(dest: Path) -> dict:
+        extract_sdist(sdist, dest)
+        return sdist_source(sdist)
+
+    return lay_out
+
+
+def from_checkout(checkout: Path, commit: str | None = None) -> Callable[[Path], dict]:
+    """A lay-out for ``worktree.build_tree``: the checkout's HEAD exported
+    (``commit``: as ``export_checkout``), its commit recorded as the input."""
+    return lambda dest: checkout_source(export_checkout(checkout, dest, commit))

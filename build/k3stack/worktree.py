@@ -24,6 +24,7 @@ from k3stack import StackError
 from k3stack.gitutil import dirty_paths, git, is_work_tree
 from k3stack.patchfile import HunkMismatch, LayerPatch, apply_exact
 from k3stack.series import Layer, Stack
+from k3stack.upstream import source_ok
 
 MARKER = "k3stack-applied.json"
 # apply builds the tree in ``.<tree name><STAGING_MARK><random>`` beside it.
@@ -50,6 +51,7 @@ def read_marker(tree: Path) -> dict:
         and isinstance(marker.get("head"), str)
         and isinstance(marker.get("layers"), int)
         and _digests_ok(marker.get("digests"), marker["layers"])
+        and (marker.get("source") is None or source_ok(marker["source"]))
     ):
         raise StackError(
             f"{path} is empty or corrupt; refused: {tree} may hold work, move it "
@@ -69,14 +71,31 @@ def _digests_ok(digests: object, layers: int) -> bool:
     )
 
 
-def write_marker(tree: Path, layers: int, digests: Sequence[str | None]) -> None:
-    """Record HEAD and each layer's digest as this tree holds them now
-    (written beside and moved into place: never half a marker)."""
+def write_marker(
+    tree: Path, layers: int, digests: Sequence[str | None], source: dict | None
+) -> None:
+    """Record HEAD, each layer's digest as this tree holds them now and the
+    upstream input its pristine commit was laid out from (``sdist_source``,
+    ``checkout_source``; None: not known). Written beside and moved into
+    place: never half a marker."""
     head = git(tree, "rev-parse", "HEAD")
     path = tree / ".git" / MARKER
     partial = path.with_name(f"{MARKER}.partial")
-    partial.write_text(json.dumps({"head": head, "layers": layers, "digests": digests}))
+    marker = {"head": head, "layers": layers, "digests": digests, "source": source}
+    partial.write_text(json.dumps(marker))
     os.replace(partial, path)
+
+
+def applied_source(tree: Path) -> dict:
+    """The upstream input ``tree``'s pristine commit was laid out from;
+    ``StackError`` if its marker (written by older tooling) does not say."""
+    source = read_marker(tree).get("source")
+    if source is None:
+        raise StackError(
+            f"{tree} does not record the upstream input (sdist or checkout) it "
+            "was applied from; refused: run `nox -s apply` again"
+        )
+    return source
 
 
 def layer_digest(patch: LayerPatch, overlay: dict[str, bytes]) -> str:
@@ -247,11 +266,15 @@ def overlay_blocker(tree: Path, rel: str) -> str | None:
 def build_tree(
     stack: Stack,
     dest: Path,
-    lay_out_pristine: Callable[[Path], None],
+    lay_out_pristine: Callable[[Path], dict],
     pristine_message: str,
     upto: int | None = None,
 ) -> None:
     """Create ``dest`` as the applied work tree of layers ``1..upto``.
+
+    ``lay_out_pristine`` lays the upstream files out in the folder it is
+    given and returns the record of that input (``sdist_source``,
+    ``checkout_source``), which the marker keeps for build's lock.
 
     The tree is built beside ``dest`` and moved into place only when every
     layer applied; an existing ``dest`` is replaced only if it holds nothing
@@ -266,7 +289,7 @@ def build_tree(
         staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
         lock = lock_folder(staging)
         try:
-            lay_out_pristine(staging)
+            source = lay_out_pristine(staging)
             git(staging, "init", "-q", "-b", "main")
             commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
             git(staging, "tag", UPSTREAM_TAG)
@@ -275,7 +298,7 @@ def build_tree(
                 date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
                 commit_all(staging, layer.patch.commit_message(), date=date)
                 git(staging, "tag", layer_tag(layer.number))
-            write_marker(staging, len(layers), digests_of(stack, len(layers)))
+            write_marker(staging, len(layers), digests_of(stack, len(layers)), source)
             if dest.exists():
                 shutil.rmtree(dest)
             staging.rename(dest)

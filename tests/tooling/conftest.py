@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "build"))
 from k3stack.gitutil import git  # noqa: E402
 from k3stack.pin import Artifact, Pin  # noqa: E402
 from k3stack.series import Stack, load_stack  # noqa: E402
-from k3stack.upstream import extract_sdist  # noqa: E402
+from k3stack.upstream import from_sdist  # noqa: E402
 from k3stack.worktree import build_tree  # noqa: E402
 
 UPSTREAM_FILES = {
@@ -117,7 +117,7 @@ class Synthetic:
         build_tree(
             self.stack(),
             self.tree,
-            lambda d: extract_sdist(source, d),
+            from_sdist(source),
             "vllm 1.0 pristine\n",
             upto,
         )

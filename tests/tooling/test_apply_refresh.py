@@ -697,7 +697,7 @@ def test_an_interrupted_marker_write_leaves_the_previous_marker_whole(
 
     monkeypatch.setattr(Path, "write_text", torn)
     with pytest.raises(OSError, match="No space left"):
-        write_marker(filled.tree, 3, ["0" * 64] * 3)
+        write_marker(filled.tree, 3, ["0" * 64] * 3, None)
     assert marker.read_bytes() == before
 
 

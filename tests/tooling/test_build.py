@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import dataclasses
 import datetime as dt
 import hashlib
 import io
@@ -24,6 +25,8 @@ from k3stack import StackError
 from k3stack.artifacts import STAGING_PREFIX, BuildResult, build, docker_build
 from k3stack.fetch import sha256_file
 from k3stack.gitutil import git
+from k3stack.upstream import extract_sdist
+from k3stack.worktree import MARKER
 
 BUILD = Path(__file__).resolve().parents[2] / "build"
 INSTALLER = BUILD / "k3stack" / "install.py"
@@ -713,3 +716,59 @@ def test_build_refuses_a_tree_applied_on_another_upstream_than_the_pin(
     assert not dist.exists()
     monkeypatch.setattr(cli, "load_pin", lambda: pins["1.0"])
     assert cli.main(["build", "--tree", str(tree), "--dist", str(dist)]) == 0
+
+
+def upstream_checkout(syn: Synthetic, path: Path) -> str:
+    """A maintainer's git checkout of the synthetic upstream release; its
+    full commit id."""
+    extract_sdist(syn.sdist, path)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A", "--force")
+    git(path, "commit", "-q", "-m", "upstream 1.0")
+    return git(path, "rev-parse", "HEAD")
+
+
+def test_the_lock_names_the_upstream_input_apply_used_sdist_or_checkout(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree laid out from a checkout (`apply --source`) is not the sdist's
+    tree: its lock names the checkout's commit, not the pinned sdist."""
+    from k3stack.cli import do_apply
+
+    checkout = tmp_path / "upstream-checkout"
+    commit = upstream_checkout(filled, checkout)
+    pin = dataclasses.replace(filled.pin, commit=commit[:12])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / filled.sdist.name).write_bytes(filled.sdist.read_bytes())
+    monkeypatch.setenv("K3_STACK_CACHE", str(cache))
+    locks = {}
+    for source in (None, checkout):
+        do_apply(filled.stack(), pin, filled.tree, None, source)
+        out = tmp_path / ("checkout" if source else "sdist")
+        result = build(filled.stack(), pin, filled.tree, filled.wheel, out, 3)
+        locks[source] = json.loads(result.lock.read_text())
+    assert locks[None]["upstream"]["sdist"] == {
+        "filename": filled.sdist.name,
+        "sha256": sha256_file(filled.sdist),
+    }
+    assert "checkout" not in locks[None]["upstream"]
+    assert locks[checkout]["upstream"]["checkout"] == {"commit": commit}
+    assert "sdist" not in locks[checkout]["upstream"]
+    # Nothing of this machine (the checkout's path) in the lock.
+    assert str(tmp_path) not in json.dumps(locks[checkout])
+
+
+def test_build_refuses_a_tree_whose_marker_names_no_upstream_input(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """A tree applied by tooling that did not record the upstream input
+    apply used: the lock could not name it."""
+    marker = filled.tree / ".git" / MARKER
+    older = json.loads(marker.read_bytes())
+    older.pop("source", None)
+    marker.write_text(json.dumps(older))
+    with pytest.raises(StackError, match="run `nox -s apply` again") as e:
+        build_into(filled, tmp_path / "dist")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "dist" / "stack.lock.json").exists()

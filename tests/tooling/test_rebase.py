@@ -24,8 +24,8 @@ from k3stack.rebase import (
     retagged_image,
     select_wheels,
 )
-from k3stack.upstream import export_checkout, extract_sdist
-from k3stack.worktree import MARKER
+from k3stack.upstream import export_checkout, extract_sdist, sdist_source
+from k3stack.worktree import MARKER, read_marker
 
 
 def new_upstream(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -33,6 +33,11 @@ def new_upstream(tmp_path: Path, files: dict[str, str]) -> Path:
     dest = tmp_path / "new"
     extract_sdist(sdist, dest)
     return dest
+
+
+def v2(tmp_path: Path) -> dict:
+    """The input record of ``new_upstream``'s tree."""
+    return sdist_source(tmp_path / "vllm-2.0.tar.gz")
 
 
 def envs_conflicting_with_layer_1() -> dict[str, str]:
@@ -479,7 +484,8 @@ def test_port_puts_the_layers_on_the_new_upstream_and_refresh_makes_them_exact(
     # Layer 2's hunk moved down: git's merge lands it, apply could not.
     files["vllm/model.py"] = "# moved\n" * 5 + files["vllm/model.py"]
     new = new_upstream(tmp_path, files)
-    port_tree(filled.stack(), filled.tree, new, "vllm 2.0 pristine\n")
+    port_tree(filled.stack(), filled.tree, new, "vllm 2.0 pristine\n", v2(tmp_path))
+    assert read_marker(filled.tree)["source"] == v2(tmp_path)
     filled.take_back("port to 2.0", today=dt.date(2026, 11, 4))
     # The refreshed patches apply exactly (no fuzz, no offset) on 2.0.
     filled.apply(sdist=tmp_path / "vllm-2.0.tar.gz")
@@ -499,7 +505,7 @@ def test_port_stops_at_a_conflict_naming_the_layer_and_refresh_takes_the_fix(
         match=r"layer 1 \(0001-layer-1\.patch\) conflicts in vllm/envs\.py: "
         r".*git rebase --continue",
     ):
-        port_tree(filled.stack(), filled.tree, new, "vllm 2.0 pristine\n")
+        port_tree(filled.stack(), filled.tree, new, "vllm 2.0 pristine\n", v2(tmp_path))
     # The maintainer keeps the layer's value and lets git go on.
     (filled.tree / "vllm/envs.py").write_text(
         files["vllm/envs.py"].replace("SETTING_5 = 6\n", "SETTING_5 = 55\n")
@@ -518,7 +524,8 @@ def test_port_given_up_leaves_a_tree_that_apply_replaces(
 ) -> None:
     files = envs_conflicting_with_layer_1()
     with pytest.raises(StackError, match="conflicts"):
-        port_tree(filled.stack(), filled.tree, new_upstream(tmp_path, files), "v2\n")
+        new = new_upstream(tmp_path, files)
+        port_tree(filled.stack(), filled.tree, new, "v2\n", v2(tmp_path))
     git(filled.tree, "rebase", "--abort")
     filled.apply()
     assert "SETTING_5 = 55\n" in read_tree_file(filled, "vllm/envs.py")
@@ -556,9 +563,8 @@ def test_a_port_that_git_cannot_start_leaves_the_tree_as_it_was(
     # Another git process's lock: the rebase fails before it starts.
     (filled.tree / ".git" / "index.lock").touch()
     with pytest.raises(StackError, match="git rebase"):
-        port_tree(
-            filled.stack(), filled.tree, new_upstream(tmp_path, UPSTREAM_FILES), "v2\n"
-        )
+        new = new_upstream(tmp_path, UPSTREAM_FILES)
+        port_tree(filled.stack(), filled.tree, new, "v2\n", v2(tmp_path))
     (filled.tree / ".git" / "index.lock").unlink()
     assert git(filled.tree, "rev-parse", "upstream") == upstream
     assert (filled.tree / ".git" / MARKER).read_bytes() == marker
@@ -570,7 +576,7 @@ def test_port_during_a_stopped_port_says_to_finish_or_abort_it(
 ) -> None:
     new = new_upstream(tmp_path, envs_conflicting_with_layer_1())
     with pytest.raises(StackError, match="conflicts"):
-        port_tree(filled.stack(), filled.tree, new, "v2\n")
+        port_tree(filled.stack(), filled.tree, new, "v2\n", v2(tmp_path))
     with pytest.raises(StackError, match="in the middle of a rebase"):
         check_portable(filled.stack(), filled.tree)
 
