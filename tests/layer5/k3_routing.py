@@ -59,12 +59,14 @@ def make_builder(
     non_causal: bool = False,
     qk_rope_head_dim: int = 64,
     is_cuda: bool = True,
+    adaptive_verification: bool = False,
 ) -> Any:
     """The builder of a tiny MLA model on a CUDA device of ``capability``
     (None: a platform other than CUDA), its tensors on ``device``;
     ``non_causal``: the layer drafts non-causal multi-token blocks;
     ``is_cuda=False``: a platform other than CUDA reporting ``capability``
-    (ROCm)."""
+    (ROCm); ``adaptive_verification``: the speculative config's
+    ``enable_adaptive_verification``."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.platforms import current_platform
@@ -87,7 +89,10 @@ def make_builder(
     config.parallel_config.cp_kv_cache_interleave_size = interleave
     if spec_tokens is not None:
         config.speculative_config = SimpleNamespace(
-            num_speculative_tokens=spec_tokens, parallel_drafting=False, method="x"
+            num_speculative_tokens=spec_tokens,
+            parallel_drafting=False,
+            method="x",
+            enable_adaptive_verification=adaptive_verification,
         )
     manager = object.__new__(MLADCPManager)
     manager.init_kv_gather = lambda *a, **k: None

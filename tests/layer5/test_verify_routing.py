@@ -76,6 +76,29 @@ def test_step_page_table_narrower_than_its_kv_is_refused(
         builder.build(0, make_common([100, 100], [4, 4], 16, pages=6))
 
 
+def test_step_page_table_narrower_than_its_rank_local_kv_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under DCP 2 rank 0 holds 50 tokens of 100: 4 pages; the step's table has 3.
+    builder = make_builder(model_dir, monkeypatch, dcp=2)
+    with pytest.raises(ValueError, match="page table of 3 pages cannot hold"):
+        builder.build(0, make_common([100, 100], [4, 4], 16, pages=3))
+
+
+def test_step_at_the_longest_length_under_dcp_is_routed(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP 8, interleave 256: rank 0 owns 1,032 of 8,200 tokens (65 pages of
+    # 16; the table has 72), while the common builder bounds a rank's share by
+    # ceil(8200 / 2048) x 256 = 1,280 tokens (80 pages).
+    builder = make_builder(
+        model_dir, monkeypatch, dcp=8, interleave=256, max_model_len=8200
+    )
+    assert builder.k3_verify.max_pages == 65
+    meta = builder.build(0, make_common([8200], [4], 16, pages=72))
+    assert meta.decode.verify_plan is not None
+
+
 def test_not_eligible_without_spec_decode_or_other_dims(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,6 +132,24 @@ def test_non_causal_layer_keeps_the_upstream_path(
     common = make_common([100, 100], [4, 4], 16)
     common.causal = False
     assert k3_fused_verify.verify_plan_of(builder.build(0, common)) is None
+
+
+def test_adaptive_verification_keeps_the_upstream_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Adaptive verification trims drafts on the device: a step whose host
+    # query lengths are even ([3, 3]) runs rows [2, 4], which the fused
+    # kernel would give to the wrong requests. Under DCP verify rows stay
+    # prefills (threshold 1), as upstream runs them.
+    from vllm.v1.attention.backends.mla import k3_fused_verify
+
+    builder = make_builder(model_dir, monkeypatch, adaptive_verification=True)
+    assert builder.k3_verify is None
+    common = make_common([100, 100], [3, 3], 16)
+    common.query_start_loc = torch.tensor([0, 2, 6], dtype=torch.int32)
+    assert k3_fused_verify.verify_plan_of(builder.build(0, common)) is None
+    builder = make_builder(model_dir, monkeypatch, dcp=2, adaptive_verification=True)
+    assert builder.k3_verify is None and builder.reorder_batch_threshold == 1
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])

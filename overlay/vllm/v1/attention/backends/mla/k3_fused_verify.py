@@ -83,9 +83,11 @@ def fused_verify_eligible(
 ) -> bool:
     """Whether the builder of ``layer_names`` on ``device`` routes verify
     batches here: ``VLLM_K3_FUSED_MLA_VERIFY`` on, not batch-invariant mode
-    (whose verify rows must run the decode kernel), and a CUDA device of
+    (whose verify rows must run the decode kernel), a CUDA device of
     compute capability 9.x, where the kernels are proven (elsewhere their
-    tilings may not fit the shared memory, and ROCm reports CUDA devices)."""
+    tilings may not fit the shared memory, and ROCm reports CUDA devices),
+    and no adaptive verification (it trims drafts on the device only, so
+    the host's even query lengths that routing reads are not the rows')."""
     from vllm.platforms import current_platform
 
     if not envs.VLLM_K3_FUSED_MLA_VERIFY or envs.VLLM_BATCH_INVARIANT:
@@ -97,7 +99,11 @@ def fused_verify_eligible(
     ):
         return False
     spec = vllm_config.speculative_config
-    if spec is None or spec.num_speculative_tokens is None:
+    if (
+        spec is None
+        or spec.num_speculative_tokens is None
+        or spec.enable_adaptive_verification
+    ):
         return False
     from vllm.v1.attention.backend import max_decode_query_len
 
@@ -278,7 +284,9 @@ class FusedVerifyPlanner:
         if plan is None:
             return decode
         width = decode.block_table.shape[1]
-        if width < cdiv(max_seq_len, self.page_size):
+        # max_seq_len may round a rank's share up past the largest span a
+        # request can have, which construction proved the pages cover.
+        if width < min(cdiv(max_seq_len, self.page_size), self.max_pages):
             raise ValueError(
                 f"fused MLA verify: page table of {width} pages cannot hold "
                 f"a rank-local KV span of {max_seq_len} tokens"
