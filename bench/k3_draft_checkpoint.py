@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from cli_types import positive_int
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layer1"))
+from k3_mla_layout import is_norm, mla_draft_weight_shapes  # noqa: E402
 
 HIDDEN = 7168
 HEADS = 64
@@ -46,33 +50,11 @@ def draft_tensors(
         x = torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02
         return x.cpu()
 
-    def ones(size: int) -> torch.Tensor:
-        return torch.ones(size, dtype=torch.bfloat16)
-
-    tensors = {
-        "context_proj.weight": rand(HIDDEN, HIDDEN * len(TARGET_LAYER_IDS)),
-        "context_norm.weight": ones(HIDDEN),
-        "final_norm.weight": ones(HIDDEN),
-        "markov_head.markov_w1.weight": rand(VOCAB, markov_rank),
-        "markov_head.markov_w2.weight": rand(VOCAB, markov_rank),
+    shapes = mla_draft_weight_shapes(draft_config(num_layers, markov_rank))
+    return {
+        name: torch.ones(shape, dtype=torch.bfloat16) if is_norm(name) else rand(*shape)
+        for name, shape in shapes.items()
     }
-    for i in range(num_layers):
-        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        tensors |= {
-            f"layers.{i}.input_layernorm.weight": ones(HIDDEN),
-            f"layers.{i}.post_attention_layernorm.weight": ones(HIDDEN),
-            f"{attn}.q_a_proj.weight": rand(Q_LORA, HIDDEN),
-            f"{attn}.q_a_layernorm.weight": ones(Q_LORA),
-            f"{attn}.q_b_proj.weight": rand(HEADS * (NOPE + ROPE), Q_LORA),
-            f"{attn}.kv_a_proj_with_mqa.weight": rand(KV_LORA + ROPE, HIDDEN),
-            f"{attn}.kv_a_layernorm.weight": ones(KV_LORA),
-            f"{attn}.kv_b_proj.weight": rand(HEADS * (NOPE + VALUE), KV_LORA),
-            f"{attn}.o_proj.weight": rand(HIDDEN, HEADS * VALUE),
-            f"{mlp}.gate_proj.weight": rand(INTERMEDIATE, HIDDEN),
-            f"{mlp}.up_proj.weight": rand(INTERMEDIATE, HIDDEN),
-            f"{mlp}.down_proj.weight": rand(HIDDEN, INTERMEDIATE),
-        }
-    return tensors
 
 
 def draft_config(num_layers: int, markov_rank: int) -> dict[str, object]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 import torch
+from k3_mla_layout import is_norm, mla_draft_weight_shapes
 from safetensors.torch import save_file
 from test_production_engine_upstream import (
     AUX_LAYERS,
@@ -120,48 +121,12 @@ def write_checkpoints(root: Path, variant: str) -> tuple[Path, Path]:
     names and a target holding the embedding and LM head (bf16), both with
     their config.json; ``variant`` names an entry of ``VARIANTS``."""
     gen = torch.Generator().manual_seed(11)
-    hidden, heads = DRAFT["hidden_size"], DRAFT["num_attention_heads"]
-    q_lora, kv_lora = DRAFT["q_lora_rank"], DRAFT["kv_lora_rank"]
-    nope, rope = DRAFT["qk_nope_head_dim"], DRAFT["qk_rope_head_dim"]
-    v_dim, inter = DRAFT["v_head_dim"], DRAFT["intermediate_size"]
 
     def rand(*shape: int, scale: float = 0.3) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
-    def norm(size: int) -> torch.Tensor:
-        return 1 + rand(size, scale=0.1)
-
-    tensors = {
-        "context_proj.weight": rand(hidden, TARGET_HIDDEN * len(AUX_LAYERS)),
-        "context_norm.weight": norm(hidden),
-        "final_norm.weight": norm(hidden),
-        "markov_head.markov_w1.weight": rand(VOCAB, 8),
-        "markov_head.markov_w2.weight": rand(VOCAB, 8),
-    }
-    for i in range(DRAFT["num_hidden_layers"]):
-        attn = f"layers.{i}.self_attn"
-        tensors |= {
-            f"layers.{i}.input_layernorm.weight": norm(hidden),
-            f"layers.{i}.post_attention_layernorm.weight": norm(hidden),
-            f"{attn}.q_a_proj.weight": rand(q_lora, hidden),
-            f"{attn}.q_a_layernorm.weight": norm(q_lora),
-            f"{attn}.q_b_proj.weight": rand(heads * (nope + rope), q_lora),
-            f"{attn}.kv_a_proj_with_mqa.weight": rand(kv_lora + rope, hidden),
-            f"{attn}.kv_a_layernorm.weight": norm(kv_lora),
-            f"{attn}.kv_b_proj.weight": rand(heads * (nope + v_dim), kv_lora),
-            f"{attn}.o_proj.weight": rand(hidden, heads * v_dim),
-            f"layers.{i}.mlp.gate_proj.weight": rand(inter, hidden),
-            f"layers.{i}.mlp.up_proj.weight": rand(inter, hidden),
-            f"layers.{i}.mlp.down_proj.weight": rand(hidden, inter),
-        }
     overrides = dict(VARIANTS[variant])
-    if overrides.pop("draft_ships_heads", False):
-        tensors["embed_tokens.weight"] = rand(VOCAB, hidden, scale=1.0)
-        tensors["lm_head.weight"] = rand(VOCAB, hidden)
-    if overrides.get("enable_confidence_head"):
-        # Over the hidden state alone (confidence_head_with_markov unset).
-        tensors["confidence_head.proj.weight"] = rand(1, hidden)
-        tensors["confidence_head.proj.bias"] = rand(1)
+    ships_heads = overrides.pop("draft_ships_heads", False)
     config: dict[str, Any] = {
         "architectures": ["K3DSparkModel"],
         "model_type": "k3_dspark",
@@ -178,6 +143,18 @@ def write_checkpoints(root: Path, variant: str) -> tuple[Path, Path]:
     }
     config |= overrides
     config = {key: value for key, value in config.items() if value is not None}
+    hidden = DRAFT["hidden_size"]
+    tensors = {
+        name: 1 + rand(*shape, scale=0.1) if is_norm(name) else rand(*shape)
+        for name, shape in mla_draft_weight_shapes(config).items()
+    }
+    if ships_heads:
+        tensors["embed_tokens.weight"] = rand(VOCAB, hidden, scale=1.0)
+        tensors["lm_head.weight"] = rand(VOCAB, hidden)
+    if config.get("enable_confidence_head"):
+        # Over the hidden state alone (confidence_head_with_markov unset).
+        tensors["confidence_head.proj.weight"] = rand(1, hidden)
+        tensors["confidence_head.proj.bias"] = rand(1)
     draft, target = root / "draft", root / "target"
     draft.mkdir()
     save_file(
