@@ -341,7 +341,6 @@ def test_a_dspark_confidence_head_is_loaded_without_changing_the_drafts(tmp_path
 @pytest.mark.parametrize(
     "override, reason",
     [
-        ({"dflash_config": {"causal": True, "target_layer_ids": [0]}}, "causal"),
         # Upstream's embeddings that do not apply a plain cos/sin table.
         (
             {"rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 1]}},
@@ -473,6 +472,21 @@ def test_attention_biases_the_checkpoint_lacks_are_refused_by_name(tmp_path):
         engine.load()
 
 
+def test_attention_sinks_the_checkpoint_lacks_are_refused_by_name(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    path = draft / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"]["attention_sink_bias"] = True
+    path.write_text(json.dumps(config))
+    engine = cpu_engine(draft, target)
+    assert engine.shape.attention_sinks
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape("lacks ['layers.<i>.self_attn.attention_sink_bias']"),
+    ):
+        engine.load()
+
+
 def test_context_width_is_the_target_hidden_size_per_aux_layer(tmp_path):
     # A target hidden size (24) other than the draft's (16).
     draft, _ = write_checkpoints(tmp_path, "dflash", target_hidden_size=24)
@@ -506,44 +520,72 @@ def test_kv_heads_default_as_qwen3_config_does(tmp_path, absent):
 
 
 @pytest.mark.parametrize(
-    "override, sliding",
+    "override, windows",
     [
         (
             {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
-            True,
+            (64, 64),
         ),
-        ({"use_sliding_window": True, "max_window_layers": 1}, True),
+        ({"use_sliding_window": True, "max_window_layers": 1}, (None, 4096)),
         # From layer 2 of 2 on: no layer slides.
-        ({"use_sliding_window": True, "max_window_layers": 2}, False),
-        ({"use_sliding_window": True, "sliding_window": 64}, False),
+        ({"use_sliding_window": True, "max_window_layers": 2}, ()),
+        ({"use_sliding_window": True, "sliding_window": 64}, ()),
         (
             {
                 "use_sliding_window": True,
                 "sliding_window": None,
                 "max_window_layers": 0,
             },
-            False,
+            (),
         ),
         (
             {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 0},
-            False,
+            (),
         ),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, True),
+        (
+            {
+                "layer_types": ["full_attention", "sliding_attention"],
+                "use_sliding_window": True,
+                "sliding_window": 48,
+            },
+            (None, 48),
+        ),
+        # DFlash's own switch slides every layer, at its own window.
+        (
+            {"dflash_config": {"use_swa": True, "swa_window_size": 40}},
+            (40, 40),
+        ),
     ],
 )
-def test_sliding_window_layers_are_resolved_as_qwen3_config_does(
-    tmp_path, override, sliding
+def test_sliding_window_layers_are_resolved_as_upstream_does(
+    tmp_path, override, windows
 ):
-    """Layers Qwen3Config makes sliding (upstream attends causally in a
-    window there) are refused; the others are served as full attention."""
+    """Layers slide where Qwen3Config's layer types and upstream's DFlash
+    resolution make them slide; by ``layer_types`` a sliding layer is also
+    causal."""
+    dflash = override.pop("dflash_config", None)
     draft, _ = write_checkpoints(tmp_path, "dflash", **override)
-    config = Qwen3Config.from_dict(json.loads((draft / "config.json").read_text()))
-    assert ("sliding_attention" in config.layer_types) == sliding
-    if sliding:
-        with pytest.raises(CheckpointError, match="sliding-window layers"):
-            DraftCheckpoint.from_dir(draft)
-    else:
-        assert DraftCheckpoint.from_dir(draft).shape == REFERENCE["dflash"].shape()
+    if dflash is not None:
+        path = draft / "config.json"
+        config = json.loads(path.read_text())
+        config["dflash_config"] |= dflash
+        path.write_text(json.dumps(config))
+    shape = DraftCheckpoint.from_dir(draft).shape
+    assert shape.sliding_windows == windows
+    by_layer_types = dflash is None and windows
+    assert shape.causal_layers == (
+        tuple(w is not None for w in windows) if by_layer_types else ()
+    )
+
+
+def test_a_sliding_layer_without_a_window_is_refused(tmp_path):
+    """Upstream raises for it too: Qwen3Config drops the window unless
+    ``use_sliding_window``."""
+    draft, _ = write_checkpoints(
+        tmp_path, "dflash", layer_types=["full_attention", "sliding_attention"]
+    )
+    with pytest.raises(CheckpointError, match="sliding attention needs"):
+        DraftCheckpoint.from_dir(draft)
 
 
 @pytest.mark.parametrize(
@@ -681,6 +723,22 @@ def test_cli_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, caplog):
     )
 
 
+def test_cli_refuses_a_sliding_window_a_query_block_would_outgrow_in_one_line(
+    tmp_path, caplog
+):
+    """Backends disagree on a window narrower than the query block (the CLI
+    serves up to 8 draft tokens a request)."""
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    path = draft / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"] |= {"use_swa": True, "swa_window_size": 8}
+    path.write_text(json.dumps(config))
+    assert refusal(caplog, draft, target) == (
+        "Refusing to serve: the draft's sliding window 8 must be above "
+        "max_speculative_tokens 8"
+    )
+
+
 def _remove(path: Path) -> None:
     path.unlink()
 
@@ -767,10 +825,6 @@ def test_unreadable_checkpoint_files_are_refused_in_one_line(
         ({"intermediate_size": 0}, "intermediate_size must be a positive integer"),
         ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
         ({"num_key_value_heads": 1.5}, "num_key_value_heads must be a positive"),
-        (
-            {"use_sliding_window": True, "max_window_layers": 1.5},
-            "max_window_layers must be a non-negative integer, not 1.5",
-        ),
         ({"rms_norm_eps": None}, "rms_norm_eps must be a positive finite number"),
         ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive finite number"),
         ({"rms_norm_eps": True}, "rms_norm_eps must be a positive finite number"),

@@ -11,9 +11,10 @@ implementation (``custom_ops=["none"]``); what needs a GPU is replaced by
 its contract: the two fused ops of ``precompute_and_store_context_kv``
 (RMSNorm, with one weight row per layer for the grouped K norm, and in-place
 RoPE) by upstream's native implementations, and the attention backend by
-the attention it computes for one request's query block: non-causal over the
-context K/V stored by ``precompute_and_store_context_kv`` and the block's
-own K/V. A rebase that changes upstream's draft math fails here.
+the attention it computes for one request's query block over the context K/V
+stored by ``precompute_and_store_context_kv`` and the block's own K/V, with
+FlashAttention's masks and sinks (``OneRequestAttention``). A rebase that
+changes upstream's draft math fails here.
 """
 
 import json
@@ -24,7 +25,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from toy_target import init_single_rank_world
 
@@ -91,6 +91,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # DSpark's Markov bias on each position's 8 best base logits (DFlash
     # ignores the key, as upstream does).
     "draft_topk": {"dspark_draft_topk": 8},
+    # Per-layer attention as upstream resolves it: the first layer slides
+    # (window 10, shorter than most contexts here) and, by its layer type,
+    # attends causally; the second is full and non-causal.
+    "mixed_layers": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "use_sliding_window": True,
+        "sliding_window": 10,
+    },
+    # DFlash's switch: every layer slides at its own window, non-causal.
+    "swa_every_layer": {"dflash_config": {"use_swa": True, "swa_window_size": 12}},
+    "causal": {"dflash_config": {"causal": True}},
+    # A learned sink logit per head and layer ("sinks" writes the weights).
+    "sinks": {"dflash_config": {"attention_sink_bias": True}, "sinks": True},
     "llama3_rope": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -196,6 +209,11 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
         config["markov_rank"] = 8
         tensors["markov_head.markov_w1.weight"] = rand(VOCAB, 8)
         tensors["markov_head.markov_w2.weight"] = rand(draft_vocab, 8)
+    if overrides.pop("sinks", False):
+        for i in range(layers):
+            tensors[f"layers.{i}.self_attn.attention_sink_bias"] = rand(
+                DRAFT["num_attention_heads"], scale=2.0
+            )
     if overrides.get("attention_bias"):
         for i in range(layers):
             for proj, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
@@ -227,9 +245,13 @@ def write_checkpoints(root: Path, method: str, variant: str) -> tuple[Path, Path
 class OneRequestAttention(torch.nn.Module):
     """Stands in for ``Attention``: keeps the context K/V that
     ``precompute_and_store_context_kv`` writes (slot = position of one
-    request) and attends a query block to it and to itself, non-causally,
-    the block's keys cut at ``query_keys`` as the backend cuts the sequence
-    at its ``seq_lens``."""
+    request) and attends a query block to it and to itself, the block's keys
+    cut at ``query_keys`` as the backend cuts the sequence at its
+    ``seq_lens``. Masks and sinks as FlashAttention applies them: a query at
+    position p sees keys up to p when ``causal`` (which the speculator's
+    metadata carries; set from the layer), with a sliding window W only keys
+    above p - W (and, non-causal, below p + W: its symmetric window), and
+    a head's sink logit joins its softmax's denominator."""
 
     def __init__(
         self,
@@ -237,11 +259,16 @@ class OneRequestAttention(torch.nn.Module):
         head_size: int,
         scale: float,
         num_kv_heads: int | None = None,
+        per_layer_sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
         **_: object,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = per_layer_sliding_window
+        self.sinks = sinks
+        self.causal = False
         self.kv_cache = None
         self.impl = SimpleNamespace(do_kv_cache_update=self._store)
         self.context: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -257,14 +284,33 @@ class OneRequestAttention(torch.nn.Module):
         heads = (tokens, self.num_kv_heads, self.head_size)
         keys = torch.cat((self.context[0], k.view(heads)[: self.query_keys]))
         values = torch.cat((self.context[1], v.view(heads)[: self.query_keys]))
-        out = F.scaled_dot_product_attention(
-            q.view(tokens, self.num_heads, self.head_size).transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            scale=self.scale,
-            enable_gqa=True,
+        group = self.num_heads // self.num_kv_heads
+        scores = (
+            torch.einsum(
+                "qhd,khd->hqk",
+                q.view(tokens, self.num_heads, self.head_size),
+                keys.repeat_interleave(group, 1),
+            )
+            * self.scale
         )
-        return out.transpose(0, 1).reshape(tokens, -1)
+        # Positions relative to the context's first: its rows, then the block.
+        query_pos = self.context[0].shape[0] + torch.arange(tokens)[:, None]
+        key_pos = torch.arange(keys.shape[0])[None, :]
+        hidden = torch.zeros(tokens, keys.shape[0], dtype=torch.bool)
+        if self.causal:
+            hidden |= key_pos > query_pos
+        if self.sliding_window is not None:
+            hidden |= key_pos <= query_pos - self.sliding_window
+            if not self.causal:
+                hidden |= key_pos >= query_pos + self.sliding_window
+        scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.dtype)[:, None, None].expand(-1, tokens, 1)
+            weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
+        out = torch.einsum("hqk,khd->qhd", weights, values.repeat_interleave(group, 1))
+        return out.reshape(tokens, -1)
 
 
 def _rms_norm(out, x, weight, eps) -> None:
@@ -374,6 +420,8 @@ def upstream_model(tmp_path, monkeypatch):
                 # loaded parameters.
                 model = model_cls(vllm_config=config).to(device, dtype)
                 model.load_weights(weights.items())
+            for layer in model.model.layers:
+                layer.self_attn.attn.causal = layer.self_attn.causal
             # Its LM head in the model's dtype too, as a model of that dtype
             # has it (the config's is float32).
             model.logits_processor.head_dtype = dtype

@@ -4,7 +4,9 @@
 computes: checked against a float64 oracle written here as plain per-request,
 per-row, per-head loops (explicit softmax over the attended keys)."""
 
+import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from vllm.k3_draft.engine import DraftLimits, ProposeBatch
 from vllm.k3_draft.reference_engine import (
     DraftShape,
     ReferenceEngine,
+    ReferenceModelConfig,
     TorchDraftEngine,
 )
 
@@ -33,7 +36,15 @@ K = 3
 SLOTS, STARTS, ENDS, COUNTS, ANCHORS = [0, 1], [0, 3], [14, 7], [14, 4], [7, 20]
 
 
-def tiny_shape(method: str) -> DraftShape:
+# Per-layer attention: the first layer slides over 5 positions, causally.
+ATTENTION: dict[str, dict[str, Any]] = {
+    "full": {},
+    "sliding_causal": {"sliding_windows": (5, None), "causal_layers": (True, False)},
+    "sinks": {"attention_sinks": True},
+}
+
+
+def tiny_shape(method: str, attention: str = "full") -> DraftShape:
     # GQA: 4 query heads over 2 KV heads.
     return DraftShape(
         method=method,
@@ -47,6 +58,7 @@ def tiny_shape(method: str) -> DraftShape:
         intermediate_size=24,
         mask_token_id=63,
         markov_rank=3 if method == "dspark" else 0,
+        **ATTENTION[attention],
     )
 
 
@@ -137,6 +149,7 @@ def oracle(
                     [rope(rms(kh, w["k_norm"][layer], eps), pos, theta) for kh in k]
                 )
                 vs.append(heads(w["wv"][layer] @ h, shape.num_kv_heads, dim))
+            sliding, causal = shape.layer_attention(layer)
             new_xs = []
             for j in range(n):
                 attn = []
@@ -144,15 +157,22 @@ def oracle(
                     kv_head = head // group
                     keys, values = [], []
                     for pos in sorted(ctx_k[layer]):
-                        keys.append(ctx_k[layer][pos][kv_head])
-                        values.append(ctx_v[layer][pos][kv_head])
-                    for jj in range(n):
+                        if sliding is None or pos > end + j - sliding:
+                            keys.append(ctx_k[layer][pos][kv_head])
+                            values.append(ctx_v[layer][pos][kv_head])
+                    for jj in range(j + 1 if causal else n):
                         keys.append(ks[jj][kv_head])
                         values.append(vs[jj][kv_head])
                     scores = [float(qs[j][head] @ key) / math.sqrt(dim) for key in keys]
-                    top = max(scores)
+                    # A sink: a logit without a value.
+                    sink = (
+                        [float(w["sinks"][layer][head])]
+                        if shape.attention_sinks
+                        else []
+                    )
+                    top = max(scores + sink)
                     exps = [math.exp(s - top) for s in scores]
-                    total = sum(exps)
+                    total = sum(exps) + sum(math.exp(s - top) for s in sink)
                     mixed = torch.zeros(dim, dtype=torch.float64)
                     for e, value in zip(exps, values):
                         mixed = mixed + e / total * value
@@ -179,9 +199,10 @@ def oracle(
 # ------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_drafts_match_the_documented_architecture(method):
-    engine = TinyEngine(LIMITS, tiny_shape(method), torch.device("cpu"))
+def test_drafts_match_the_documented_architecture(method, attention):
+    engine = TinyEngine(LIMITS, tiny_shape(method, attention), torch.device("cpu"))
     engine.load()
     rows = context_rows()
     positions = torch.cat([torch.arange(e - c, e) for e, c in zip(ENDS, COUNTS)])
@@ -206,3 +227,25 @@ def test_drafts_match_the_documented_architecture(method):
         output.logits.double(), expected, atol=1e-4 * scale, rtol=0
     )
     assert torch.equal(output.tokens, expected.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "attention, reason",
+    [
+        ({"sliding_windows": (5,)}, "sliding_windows must have one entry per layer"),
+        ({"causal_layers": (True,) * 3}, "causal_layers must have one entry per layer"),
+        ({"sliding_windows": (0, None)}, "a sliding window must be positive"),
+    ],
+)
+def test_per_layer_attention_that_does_not_fit_the_layers_is_refused(attention, reason):
+    with pytest.raises(ValueError, match=reason):
+        dataclasses.replace(tiny_shape("dflash"), **attention)
+
+
+@pytest.mark.parametrize(
+    "attention", [{"attention_sinks": True}, {"causal_layers": (True, True)}]
+)
+def test_a_latent_attention_draft_with_sinks_or_masks_is_refused(attention):
+    shape = ReferenceModelConfig(method="dspark", latent_attention=True).shape()
+    with pytest.raises(ValueError, match="attends full and non-causal"):
+        dataclasses.replace(shape, **attention)

@@ -13,7 +13,9 @@ Embedding and LM head that the draft does not ship are read from the target
 checkpoint through its safetensors index, as bf16; every file either
 checkpoint names must resolve to a path under that checkpoint's root.
 
-Supported: non-causal full attention over the window (the upstream default),
+Supported: full or sliding-window, non-causal or causal attention per layer
+over the window, with or without attention sinks, resolved from the config as
+upstream's DFlash decoder layer resolves them (``_layer_attention``),
 neox or interleaved RoPE, whole or partial, unscaled or with any scaling
 whose upstream embedding is a plain cosine/sine table (``_upstream_rope``:
 its table is the engine's), attention biases, the full or a reduced draft
@@ -126,6 +128,7 @@ _LAYER_WEIGHTS = {
     "self_attn.o_proj.bias": "wo_bias",
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
+    "self_attn.attention_sink_bias": "sinks",
     "mlp.gate_proj.weight": "w_gate",
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
@@ -286,32 +289,61 @@ class SafetensorsCheckpoint:
         return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
-def _has_sliding_layers(config: dict[str, Any]) -> bool:
-    """Whether a layer is a sliding-window one, ``layer_types`` resolved as
-    transformers' ``Qwen3Config`` does when the config leaves it out: layers
-    from ``max_window_layers`` (default 28) on slide, given
-    ``use_sliding_window`` and a ``sliding_window`` (default 4096)."""
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        return any(t == "sliding_attention" for t in layer_types)
-    if (
-        not config.get("use_sliding_window")
-        or config.get("sliding_window", 4096) is None
-    ):
-        return False
-    first = _config_int(config, "max_window_layers", 28, minimum=0)
-    return first < _config_int(config, "num_hidden_layers")
+_SLIDING_ATTENTION = "sliding_attention"
+
+
+def _layer_attention(
+    hf_config: Any, num_layers: int
+) -> tuple[tuple[int | None, ...], tuple[bool, ...]]:
+    """Per layer ``(sliding windows, causal)`` of the Qwen3 draft config vLLM
+    reads, as upstream's ``qwen3_dflash._resolve_layer_attention`` resolves
+    them: ``dflash_config.use_swa`` slides every layer unless
+    ``layer_types`` names sliding ones, the window is
+    ``dflash_config.swa_window_size`` or ``sliding_window``; causal is
+    ``is_causal``, else ``dflash_config.causal``, else whether the layer
+    slides by ``layer_types``."""
+    dflash = getattr(hf_config, "dflash_config", None) or {}
+    layer_types = getattr(hf_config, "layer_types", None)
+    use_swa = bool(dflash.get("use_swa", False))
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise CheckpointError(
+            f"config.json: layer_types has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    any_sliding = layer_types is not None and _SLIDING_ATTENTION in layer_types
+    window = dflash.get("swa_window_size", getattr(hf_config, "sliding_window", None))
+    causal = getattr(hf_config, "is_causal", None)
+    if causal is None:
+        causal = dflash.get("causal")
+    windows: list[int | None] = []
+    causal_layers: list[bool] = []
+    for i in range(num_layers):
+        if layer_types is None or (use_swa and not any_sliding):
+            sliding = use_swa
+        else:
+            sliding = layer_types[i] == _SLIDING_ATTENTION
+        if sliding and window is None:
+            raise CheckpointError(
+                "config.json: sliding attention needs dflash_config.swa_window_size "
+                "or sliding_window"
+            )
+        if sliding and (type(window) is not int or window <= 0):
+            raise CheckpointError(
+                f"config.json: sliding window {window!r} is not a positive integer"
+            )
+        windows.append(window if sliding else None)
+        if causal is not None:
+            causal_layers.append(bool(causal))
+        else:
+            causal_layers.append(
+                layer_types is not None and layer_types[i] == _SLIDING_ATTENTION
+            )
+    return tuple(windows), tuple(causal_layers)
 
 
 def _refuse_unsupported(config: dict[str, Any]) -> None:
     dflash = config.get("dflash_config") or {}
     reasons = []
-    if config.get("is_causal") or dflash.get("causal") or dflash.get("use_swa"):
-        reasons.append("causal or sliding-window draft attention")
-    if _has_sliding_layers(config):
-        reasons.append("sliding-window layers")
-    if dflash.get("attention_sink_bias") or config.get("add_swa_attention_sink_bias"):
-        reasons.append("attention sinks")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if config.get("hidden_act", "silu") != "silu":
         reasons.append(f"hidden_act {config.get('hidden_act')!r}")
@@ -397,16 +429,15 @@ def _get_rope(
         ) from None
 
 
-def _upstream_rope(root: Path, head_dim: int, neox: bool) -> Any:
-    """Upstream's rotary embedding of the Qwen3 draft in ``root``, built as
-    its DFlash/DSpark attention builds it: ``get_rope`` of the config vLLM
-    reads (RoPE parameters standardised), at the config's
+def _upstream_rope(hf_config: Any, head_dim: int, neox: bool) -> Any:
+    """Upstream's rotary embedding of the Qwen3 draft config ``hf_config``
+    as vLLM reads it, built as its DFlash/DSpark attention builds it:
+    ``get_rope`` (RoPE parameters standardised) at the config's
     ``max_position_embeddings``. Refused unless it applies its
     ``cos_sin_cache`` as ``RotaryEmbedding`` does (default, linear, dynamic,
     YaRN, Llama 3 scaling and the like), the form the torch engine runs."""
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-    hf_config = _upstream_config(root)
     rope_parameters = hf_config.rope_parameters
     rope_type = (rope_parameters or {}).get("rope_type", "default")
     rope = _get_rope(head_dim, hf_config.max_position_embeddings, rope_parameters, neox)
@@ -650,12 +681,25 @@ class DraftCheckpoint:
             attention_bias=_config_bool(config, "attention_bias", False),
         )
         # After the checks above, which name the offending key.
-        rope = _upstream_rope(path, shape.head_dim, shape.neox_rope)
+        hf_config = _upstream_config(path)
+        rope = _upstream_rope(hf_config, shape.head_dim, shape.neox_rope)
         if rope.rotary_dim != shape.head_dim:
             shape = dataclasses.replace(shape, rotary_dim=rope.rotary_dim)
-        # Upstream's decoder layer reads the value scale from dflash_config
-        # (DSpark's too); null is no scale.
+        # Upstream's decoder layer reads the value scale, the sink flag and
+        # the layers' attention from dflash_config (DSpark's too); a null
+        # value scale is no scale.
         dflash = config.get("dflash_config") or {}
+        windows, causal = _layer_attention(hf_config, shape.num_layers)
+        shape = dataclasses.replace(
+            shape,
+            sliding_windows=windows if any(w is not None for w in windows) else (),
+            causal_layers=causal if any(causal) else (),
+            attention_sinks=_config_bool(
+                dflash,
+                "attention_sink_bias",
+                _config_bool(config, "add_swa_attention_sink_bias", False),
+            ),
+        )
         drafter = {**(config.get("eagle_config") or {}), **dflash}
         value_scale = (
             _config_float(dflash, "attention_value_scale")

@@ -107,9 +107,12 @@ class LatentAttention:
 
 @dataclass(frozen=True)
 class DraftShape:
-    """Architecture of a DFlash/DSpark draft as the torch engine runs it
-    (non-causal query block): Qwen3-style grouped-query attention, or
-    multi-head latent attention (``latent``)."""
+    """Architecture of a DFlash/DSpark draft as the torch engine runs it:
+    Qwen3-style grouped-query attention, or multi-head latent attention
+    (``latent``). A query row at position p sees the context positions its
+    request has in the window, and of its own block every row (non-causal)
+    or the rows up to p (causal); a layer with sliding window W sees only
+    positions above p - W, as vLLM's attention backends count a window."""
 
     method: str
     vocab_size: int
@@ -145,6 +148,14 @@ class DraftShape:
     # The MLP's gate: "silu", or "situ" (Kimi's tanh(g) * sigmoid(g), in
     # float32, as upstream's SituAndMul at beta 1).
     hidden_act: str = "silu"
+    # Per layer, grouped-query attention only: the sliding window (None: the
+    # whole window the server keeps) and whether the query block attends
+    # causally; empty: every layer full and non-causal.
+    sliding_windows: tuple[int | None, ...] = ()
+    causal_layers: tuple[bool, ...] = ()
+    # A learned sink logit per layer and head (the ``sinks`` weight): one
+    # more term of each softmax's denominator, as vLLM's backends add it.
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "dspark"):
@@ -195,6 +206,15 @@ class DraftShape:
                 "a latent-attention draft has head_dim qk_head_dim, a KV head "
                 "per head, interleaved RoPE on qk_rope_head_dim and no biases"
             )
+        for name in ("sliding_windows", "causal_layers"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} must have one entry per layer")
+        if any(w is not None and w <= 0 for w in self.sliding_windows):
+            raise ValueError("a sliding window must be positive")
+        if latent is not None and (self.attends_per_row or self.attention_sinks):
+            raise ValueError(
+                "a latent-attention draft attends full and non-causal, without sinks"
+            )
         if (self.method == "dspark") != (self.markov_rank > 0):
             raise ValueError("a DSpark draft (only) has a Markov head rank")
         if self.hidden_act not in ("silu", "situ"):
@@ -212,6 +232,20 @@ class DraftShape:
         """Ids the LM head scores."""
         return (
             self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+        )
+
+    @property
+    def attends_per_row(self) -> bool:
+        """Whether a layer's rows see different keys (causal or sliding)."""
+        return any(self.causal_layers) or any(
+            w is not None for w in self.sliding_windows
+        )
+
+    def layer_attention(self, layer: int) -> tuple[int | None, bool]:
+        """``(sliding window, causal)`` of ``layer``."""
+        return (
+            self.sliding_windows[layer] if self.sliding_windows else None,
+            bool(self.causal_layers and self.causal_layers[layer]),
         )
 
     @property
@@ -284,6 +318,8 @@ class DraftShape:
         if self.attention_bias:
             for name, size in (("wq", q), ("wk", kv), ("wv", kv), ("wo", h)):
                 shapes[f"{name}_bias"] = (size,)
+        if self.attention_sinks:
+            shapes["sinks"] = (heads,)
         return shapes
 
 
@@ -346,7 +382,7 @@ class _Window(NamedTuple):
     """What a query block attends besides itself: per request, the flat KV
     index of each window position and whether it holds the request's
     context, and the attention mask over the window and the block ``[batch,
-    1, 1, window + rows]``."""
+    1, 1 or rows, window + rows]``."""
 
     index: torch.Tensor
     seen: torch.Tensor
@@ -400,6 +436,15 @@ class TorchDraftEngine(DraftEngine):
     ) -> None:
         if enable_cuda_graph and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        narrowest = min(
+            (w for w in shape.sliding_windows if w is not None), default=None
+        )
+        if narrowest is not None and narrowest <= limits.max_speculative_tokens:
+            # A window would then cut a query block, where backends differ.
+            raise ValueError(
+                f"the draft's sliding window {narrowest} must be above "
+                f"max_speculative_tokens {limits.max_speculative_tokens}"
+            )
         self.limits = limits
         self.shape = shape
         self.device = device
@@ -662,11 +707,21 @@ class TorchDraftEngine(DraftEngine):
         ctx_v = torch.where(seen, self.kv[layer, 1][window.index], 0.0)
         keys = torch.cat((ctx_k, k), 1)
         values = torch.cat((ctx_v, v), 1)
+        mask = window.mask
+        if shape.attention_sinks:
+            # The sink as one more key: zero K and V, its logit the head's
+            # sink (an additive mask), so it adds to the denominator only.
+            zero = keys.new_zeros(batch, 1, shape.num_kv_heads, shape.head_dim)
+            keys, values = torch.cat((keys, zero), 1), torch.cat((values, zero), 1)
+            bias = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, -math.inf)
+            sinks = w["sinks"][layer].to(q.dtype)[None, :, None, None]
+            bias = bias.expand(batch, shape.num_heads, rows, -1)
+            mask = torch.cat((bias, sinks.expand(batch, -1, rows, 1)), -1)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=window.mask,
+            attn_mask=mask,
             enable_gqa=shape.num_heads != shape.num_kv_heads,
         )
         return self._linear(out.transpose(1, 2).flatten(2), "wo", layer)
@@ -752,11 +807,26 @@ class TorchDraftEngine(DraftEngine):
         # Window rows before the request's start hold whatever the slot's
         # previous owner left (even NaN or inf): the attentions zero them,
         # since a masked weight of 0 times NaN is still NaN.
-        attend = _Window(
-            index=self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0)),
-            seen=ctx_seen,
-            mask=torch.cat((ctx_seen, in_model), 1)[:, None, None, :],
-        )
+        index = self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0))
+        query_pos = anchor_pos[:, None] + offsets
+        windows: dict[tuple[int | None, bool], _Window] = {}
+        for sliding, causal in map(shape.layer_attention, range(shape.num_layers)):
+            if (sliding, causal) in windows:
+                continue
+            if sliding is None and not causal:
+                mask = torch.cat((ctx_seen, in_model), 1)[:, None, None, :]
+            else:
+                seen = ctx_seen[:, None, :].expand(-1, rows, -1)
+                if sliding is not None:
+                    # Block rows are never that far apart (checked at load).
+                    seen = seen & (
+                        ctx_pos[:, None, :] > query_pos[:, :, None] - sliding
+                    )
+                block = in_model[:, None, :].expand(-1, rows, -1)
+                if causal:
+                    block = block & (offsets[None, :] <= offsets[:, None])
+                mask = torch.cat((seen, block), 2)[:, None]
+            windows[sliding, causal] = _Window(index, ctx_seen, mask)
         attention = (
             self._latent_attention
             if shape.latent is not None
@@ -765,6 +835,7 @@ class TorchDraftEngine(DraftEngine):
         x = w["embed"][ids]
         for layer in range(shape.num_layers):
             h = self._norm(x, w["input_norm"][layer])
+            attend = windows[shape.layer_attention(layer)]
             x = x + attention(h, layer, positions, attend)
             x = x + self._mlp(self._norm(x, w["post_norm"][layer]), layer)
         hidden = self._norm(x[:, 1:] if dflash else x, w["final_norm"])
