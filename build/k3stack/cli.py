@@ -84,9 +84,10 @@ def cmd_build(args: argparse.Namespace) -> None:
 
 
 def cmd_site(args: argparse.Namespace) -> None:
-    from k3stack.qualify import install_site, pristine_site
+    from k3stack.qualify import check_python, install_site, pristine_site
 
     check_site_dest(args.dest)
+    check_python(args.python, "pip")
     stack, pin = load_stack(ROOT), load_pin()
     marker = current_marker(stack, args.tree)
     check_tree_upstream(args.tree, pin)

@@ -219,6 +219,23 @@ def install_site(python: str, pristine: Path, payload: Path, site: Path) -> None
         raise StackError(f"install into {site} failed: {proc.stderr.strip()[-300:]}")
 
 
+def check_python(python: str, *modules: str) -> None:
+    """``StackError`` in one line unless ``python`` runs and imports
+    ``modules`` (checked before any work that needs them)."""
+    script = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    try:
+        proc = subprocess.run(
+            [python, "-c", script, *modules], capture_output=True, text=True
+        )
+    except OSError as e:
+        raise StackError(f"--python {python}: {e.strerror or e}; refused") from None
+    if proc.returncode != 0:
+        raise StackError(
+            f"--python {python} cannot import {', '.join(modules)}: "
+            f"{failure(proc, 'it')}; refused"
+        )
+
+
 def pristine_site(python: str, wheel: Path, work: Path) -> Path:
     site = work / "site-0"
     stamp = site / WHEEL_STAMP
@@ -227,7 +244,7 @@ def pristine_site(python: str, wheel: Path, work: Path) -> Path:
         return site
     if site.exists():
         shutil.rmtree(site)
-    subprocess.run(
+    proc = subprocess.run(
         [
             python,
             "-m",
@@ -240,8 +257,13 @@ def pristine_site(python: str, wheel: Path, work: Path) -> Path:
             str(site),
             str(wheel),
         ],
-        check=True,
+        capture_output=True,
+        text=True,
     )
+    if proc.returncode != 0:
+        raise StackError(
+            f"pip could not install {wheel.name} into {site}: {failure(proc, 'pip')}"
+        )
     stamp.write_text(key)
     return site
 
@@ -565,6 +587,7 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     if not stack.layers:
         raise StackError("qualify: patches/series lists no layers; nothing to qualify")
     targets = [stack.layer(args.layer)] if args.layer is not None else stack.layers
+    check_python(args.python, "pip", "pytest")
     start = time.monotonic()
     work = stack.root / ".work" / "qualify"
     out: Path = args.out

@@ -530,3 +530,41 @@ def test_a_test_missing_from_a_layer_that_runs_its_file_is_not_settled() -> None
         run_of(["tests/test_b.py"], {"tests.test_b::test_b": "passed"}),
     ]
     assert settled_tests(runs) == {ENV_C}
+
+
+def test_qualify_refuses_a_python_that_does_not_run_in_one_line(
+    synthetic: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_running_tests(monkeypatch)
+    args = qualify_args(tmp_path, None)
+    args.python = str(tmp_path / "no-such-python")
+    with pytest.raises(StackError, match="no-such-python: No such file"):
+        qualify_command(synthetic.stack(), synthetic.pin, args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_site_refuses_a_python_that_does_not_run_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from k3stack.cli import main
+
+    dest = tmp_path / "site"
+    python = str(tmp_path / "no-such-python")
+    assert main(["site", "--python", python, "--dest", str(dest)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-python: No such file" in err
+    assert not dest.exists()
+
+
+def test_a_pristine_install_pip_cannot_make_is_refused_in_one_line(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    import venv
+
+    from k3stack.qualify import pristine_site
+
+    venv.create(tmp_path / "bare", with_pip=False)
+    python = str(tmp_path / "bare" / "bin" / "python")
+    with pytest.raises(StackError, match="pip could not install .*No module named pip"):
+        pristine_site(python, synthetic.wheel, tmp_path / "work")
+    assert not (tmp_path / "work" / "site-0" / ".k3stack-wheel").exists()
