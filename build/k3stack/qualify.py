@@ -15,6 +15,7 @@ every layer that ran them, whose pristine outcome cannot change a verdict.
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
 import io
 import json
@@ -25,6 +26,7 @@ import sys
 import tarfile
 import time
 import xml.etree.ElementTree as ET
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from k3stack import StackError
 from k3stack.artifacts import build
 from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
+from k3stack.install import _record_sha256
 from k3stack.pin import Pin
 from k3stack.series import Layer, Stack, check_suites
 from k3stack.upstream import from_sdist, require_tar_filters
@@ -241,7 +244,17 @@ def pristine_site(python: str, wheel: Path, work: Path) -> Path:
     stamp = site / WHEEL_STAMP
     key = f"{wheel.name} {wheel.stat().st_size}"
     if stamp.is_file() and stamp.read_text() == key:
-        return site
+        changed = changed_file(wheel, site)
+        if changed is None:
+            return site
+        # The sites are hard-link copies of this one: a file of a site edited
+        # in place (not replaced) changes it here too, and every later
+        # install would fail its self-check on it.
+        print(
+            f"{site}: {changed} is not as {wheel.name} has it (a site's file "
+            "edited in place?); installing the wheel again",
+            flush=True,
+        )
     if site.exists():
         shutil.rmtree(site)
     proc = subprocess.run(
@@ -266,6 +279,25 @@ def pristine_site(python: str, wheel: Path, work: Path) -> Path:
         )
     stamp.write_text(key)
     return site
+
+
+def changed_file(wheel: Path, site: Path) -> str | None:
+    """The first file of ``wheel``'s RECORD that is not in ``site`` with the
+    size and hash the RECORD gives, or None."""
+    with zipfile.ZipFile(wheel) as zf:
+        record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = list(csv.reader(io.StringIO(zf.read(record).decode())))
+    for row in rows:
+        if len(row) != 3 or not row[1]:
+            continue
+        path = site / row[0]
+        if (
+            not path.is_file()
+            or path.stat().st_size != int(row[2])
+            or _record_sha256(path) != row[1]
+        ):
+            return row[0]
+    return None
 
 
 def export_tests(tree: Path, rev: str, dest: Path, paths: list[str]) -> None:

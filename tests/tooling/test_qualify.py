@@ -568,3 +568,25 @@ def test_a_pristine_install_pip_cannot_make_is_refused_in_one_line(
     with pytest.raises(StackError, match="pip could not install .*No module named pip"):
         pristine_site(python, synthetic.wheel, tmp_path / "work")
     assert not (tmp_path / "work" / "site-0" / ".k3stack-wheel").exists()
+
+
+def test_a_site_file_edited_in_place_does_not_spoil_later_sites(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack.artifacts import build
+    from k3stack.qualify import install_site, pristine_site
+
+    work = tmp_path / "work"
+    dist = tmp_path / "dist"
+    payload = build(filled.stack(), filled.pin, filled.tree, filled.wheel, dist, 3)
+    payload_dir = payload.context / "stack"
+    site = tmp_path / "site"
+    install_site(PYTHON, pristine_site(PYTHON, filled.wheel, work), payload_dir, site)
+    # A file no layer changes, edited in place as editors and `>>` do: the
+    # site is a hard-link copy of the pristine install.
+    with (site / "vllm" / "__init__.py").open("a") as f:
+        f.write("print('trying something')\n")
+    install_site(PYTHON, pristine_site(PYTHON, filled.wheel, work), payload_dir, site)
+    init = UPSTREAM_FILES["vllm/__init__.py"]
+    assert (site / "vllm" / "__init__.py").read_text() == init
+    assert (work / "site-0" / "vllm" / "__init__.py").read_text() == init
