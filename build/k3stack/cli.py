@@ -73,9 +73,19 @@ def cmd_build(args: argparse.Namespace) -> None:
     stack, pin = load_stack(ROOT), load_pin()
     marker = current_marker(stack, args.tree)
     check_tree_upstream(args.tree, pin)
+    layers, listed = marker["layers"], len(stack.layers)
+    if layers < listed:
+        # A tree applied with --upto, or before the series gained layers.
+        left = range(layers + 1, listed + 1)
+        names = f"layer {left[0]}" if len(left) == 1 else f"layers {left[0]}..{listed}"
+        print(
+            f"build: {args.tree} holds layers 1..{layers} of the series' "
+            f"{listed}: the artifacts leave out {names} "
+            "(`nox -s apply` applies them all)"
+        )
     start = time.monotonic()
     wheel = fetch(pin.wheel(), pin.name)
-    result = build(stack, pin, args.tree, wheel, args.dist, marker["layers"])
+    result = build(stack, pin, args.tree, wheel, args.dist, layers)
     print(f"build: wheel {result.wheel} ({time.monotonic() - start:.1f} s)")
     print(f"build: image context {result.context}")
     print(f"build: lock {result.lock}")

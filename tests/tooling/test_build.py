@@ -772,3 +772,33 @@ def test_build_refuses_a_tree_whose_marker_names_no_upstream_input(
         build_into(filled, tmp_path / "dist")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "dist" / "stack.lock.json").exists()
+
+
+def test_build_of_a_tree_holding_fewer_layers_than_the_series_says_so(
+    filled: Synthetic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A tree applied with --upto, or before a pull added a layer to the
+    series: its artifacts lack the layers above, which the build says."""
+    from k3stack import cli
+
+    files = {filled.sdist.name: filled.sdist, filled.wheel.name: filled.wheel}
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    monkeypatch.setattr(cli, "fetch", lambda a, name: files[a.filename])
+    monkeypatch.setattr(cli, "load_pin", lambda: filled.pin)
+    monkeypatch.setattr(cli, "docker_build", lambda context, tag: "docker: none")
+    tree, dist = tmp_path / "applied", tmp_path / "dist"
+    assert cli.main(["apply", "--upto", "2", "--tree", str(tree)]) == 0
+    capsys.readouterr()
+    assert cli.main(["build", "--tree", str(tree), "--dist", str(dist)]) == 0
+    out = capsys.readouterr().out
+    assert "holds layers 1..2 of the series' 3" in out
+    assert "leave out layer 3 " in out
+    lock = json.loads((dist / "stack.lock.json").read_text())
+    assert [layer["number"] for layer in lock["stack"]["layers"]] == [1, 2]
+    assert cli.main(["apply", "--tree", str(tree)]) == 0
+    capsys.readouterr()
+    assert cli.main(["build", "--tree", str(tree), "--dist", str(dist)]) == 0
+    assert "holds layers" not in capsys.readouterr().out
