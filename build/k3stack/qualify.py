@@ -94,6 +94,10 @@ class Row:
     notes: list[str] = field(default_factory=list)
     # Set by qualify_layer, judged against pristine by judge_upstream.
     upstream_run: UpstreamRun | None = None
+    # The layer's JUnit XML and the pytest XML files it is made from
+    # (written by write_layer_junit once the row is judged).
+    junit: Path | None = None
+    junit_parts: list[Path] = field(default_factory=list)
 
 
 def judge_suite(
@@ -124,20 +128,25 @@ def read_junit(path: Path) -> Outcomes:
     if not path.is_file():
         return outcomes
     for case in ET.parse(path).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
-        # A nameless case is what pytest.exit() inside a test leaves.
-        if (
-            case.find("failure") is not None
-            or case.find("error") is not None
-            or case.get("name") is None
-        ):
-            state = "failed"
-        elif case.find("skipped") is not None:
-            state = "skipped"
-        else:
-            state = "passed"
-        outcomes.results[test_id] = state
+        outcomes.results[_case_id(case)] = _case_state(case)
     return outcomes
+
+
+def _case_id(case: ET.Element) -> str:
+    return f"{case.get('classname')}::{case.get('name')}"
+
+
+def _case_state(case: ET.Element) -> str:
+    # A nameless case is what pytest.exit() inside a test leaves.
+    if (
+        case.find("failure") is not None
+        or case.find("error") is not None
+        or case.get("name") is None
+    ):
+        return "failed"
+    if case.find("skipped") is not None:
+        return "skipped"
+    return "passed"
 
 
 def pytest_args(junit: Path) -> list[str]:
@@ -530,6 +539,7 @@ def judge_against_pristine(
     base = baseline(python, tree, site0, files, work, out, settled)
     for row in rows:
         judge_upstream(row, base)
+        write_layer_junit(row, base)
 
 
 def qualify_layer(
@@ -586,20 +596,90 @@ def qualify_layer(
         row.upstream_run = UpstreamRun(sorted(tests), now)
     if bad:
         row.ok = False
-    _combine_junit(junits, out / f"layer-{n}.xml")
+    row.junit = out / f"layer-{n}.xml"
+    row.junit_parts = junits
     return row
 
 
-def _combine_junit(files: list[Path], target: Path) -> None:
+def write_layer_junit(row: Row, base: Outcomes) -> None:
+    """Write ``row``'s JUnit XML once it is judged: its focused suite as
+    pytest wrote it; its upstream tests as judged against pristine (a test
+    not passing on pristine either reads as skipped, naming the baseline; a
+    regression, skipped or not run at all, as failed); and one case for the
+    row's verdict, failing with its notes when the row failed. So the file
+    fails exactly when the table's row does (pytest's own upstream XML is
+    kept beside it)."""
+    if row.junit is None:
+        return
     root = ET.Element("testsuites")
-    for path in files:
+    for path in row.junit_parts:
         if path.is_file():
             parsed = ET.parse(path).getroot()
             suites = [parsed] if parsed.tag == "testsuite" else list(parsed)
             for suite in suites:
                 suite.set("name", path.stem)
+                if row.upstream_run is not None and path.stem.endswith("-upstream"):
+                    _judge_suite_cases(suite, row.upstream_run, base)
                 root.append(suite)
-    ET.ElementTree(root).write(target, encoding="utf-8", xml_declaration=True)
+    verdict = ET.SubElement(
+        root, "testsuite", name="qualify", tests="1", skipped="0", errors="0"
+    )
+    case = ET.SubElement(
+        verdict, "testcase", classname="k3stack.qualify", name=f"layer {row.layer}"
+    )
+    verdict.set("failures", "0" if row.ok else "1")
+    if not row.ok:
+        failure = ET.SubElement(case, "failure", message="the layer failed")
+        failure.text = "\n".join(row.notes) or "see the qualify table"
+    ET.ElementTree(root).write(row.junit, encoding="utf-8", xml_declaration=True)
+
+
+def _judge_suite_cases(suite: ET.Element, run: UpstreamRun, base: Outcomes) -> None:
+    """Rewrite an upstream suite's cases to their verdicts against pristine
+    and recount it."""
+    seen = set()
+    for case in suite.iter("testcase"):
+        test_id = _case_id(case)
+        seen.add(test_id)
+        state = _case_state(case)
+        pristine = base.results.get(test_id, "passed")
+        if state == "passed":
+            continue
+        if not _regressed(state, pristine):
+            _set_outcome(
+                case,
+                "skipped",
+                f"not passing on pristine upstream either ({pristine} there)",
+            )
+        elif state == "skipped":
+            _set_outcome(
+                case,
+                "failure",
+                "regression: passed on pristine upstream, skipped on the stack",
+            )
+    for test_id, state in sorted(base.results.items()):
+        if test_id in seen or not of_files(test_id, run.files):
+            continue
+        if _regressed(None, state):
+            classname, _, name = test_id.partition("::")
+            case = ET.SubElement(suite, "testcase", classname=classname, name=name)
+            _set_outcome(
+                case,
+                "failure",
+                "regression: passed on pristine upstream, did not run on the stack",
+            )
+    cases = list(suite.iter("testcase"))
+    counts = {"failures": "failure", "errors": "error", "skipped": "skipped"}
+    suite.set("tests", str(len(cases)))
+    for attribute, tag in counts.items():
+        suite.set(attribute, str(sum(c.find(tag) is not None for c in cases)))
+
+
+def _set_outcome(case: ET.Element, tag: str, message: str) -> None:
+    for child in list(case):
+        if child.tag in ("failure", "error", "skipped"):
+            case.remove(child)
+    ET.SubElement(case, tag, message=message)
 
 
 def render_table(rows: list[Row]) -> str:

@@ -11,6 +11,7 @@ import argparse
 import json
 import shutil
 import sys
+import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
@@ -590,3 +591,49 @@ def test_a_site_file_edited_in_place_does_not_spoil_later_sites(
     init = UPSTREAM_FILES["vllm/__init__.py"]
     assert (site / "vllm" / "__init__.py").read_text() == init
     assert (work / "site-0" / "vllm" / "__init__.py").read_text() == init
+
+
+def layer_junit(tmp_path: Path, n: int) -> tuple[dict[str, str], int]:
+    """The cases of layer ``n``'s JUnit XML by id and state, and the sum of
+    its suites' ``failures`` and ``errors`` counts."""
+    root = ET.parse(tmp_path / "out" / f"layer-{n}.xml").getroot()
+    failed = sum(
+        int(s.get("failures", 0)) + int(s.get("errors", 0))
+        for s in root.iter("testsuite")
+    )
+    return read_junit(tmp_path / "out" / f"layer-{n}.xml").results, failed
+
+
+def test_the_layer_junit_fails_no_test_that_fails_on_pristine_too(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    text = "def test_download():\n    raise OSError('no model hub here')\n"
+    _, site0 = with_upstream_test(filled, tmp_path, "tests/test_hub.py", text)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert row.ok, row.notes
+    cases, failed = layer_junit(tmp_path, 3)
+    assert failed == 0
+    assert cases["tests.test_hub::test_download"] == "skipped"
+    assert cases["k3stack.qualify::layer 3 0003-layer-3.patch"] == "passed"
+
+
+def test_the_layer_junit_fails_a_regression_the_stack_skipped_or_did_not_run(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(filled, tmp_path)
+    # Marked 'gpu', upstream's test is deselected by qualify's -m "not gpu".
+    test = "import pytest\n" + UPSTREAM_FILES["tests/test_model.py"].replace(
+        "def test_step_one", "@pytest.mark.gpu\ndef test_step_one"
+    )
+    test += "\n\n@pytest.mark.skip('later')\ndef test_other():\n    assert True\n"
+    test += "\n\ndef test_third():\n    assert True\n"
+    change_layer_3(filled, {"tests/test_model.py": test})
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert not row.ok
+    cases, failed = layer_junit(tmp_path, 3)
+    # Not run, and skipped (a new test must pass: pristine lacks it).
+    assert cases["tests.test_model::test_step_one"] == "failed"
+    assert cases["tests.test_model::test_other"] == "failed"
+    assert cases["tests.test_model::test_third"] == "passed"
+    assert cases["k3stack.qualify::layer 3 0003-layer-3.patch"] == "failed"
+    assert failed == 3
