@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -601,6 +602,9 @@ def qualify_layer(
     return row
 
 
+_XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
 def write_layer_junit(row: Row, base: Outcomes) -> None:
     """Write ``row``'s JUnit XML once it is judged: its focused suite as
     pytest wrote it; its upstream tests as judged against pristine (a test
@@ -630,7 +634,10 @@ def write_layer_junit(row: Row, base: Outcomes) -> None:
     verdict.set("failures", "0" if row.ok else "1")
     if not row.ok:
         failure = ET.SubElement(case, "failure", message="the layer failed")
-        failure.text = "\n".join(row.notes) or "see the qualify table"
+        text = "\n".join(row.notes) or "see the qualify table"
+        # Notes quote error messages, which may hold terminal colour codes
+        # and other characters XML 1.0 does not allow.
+        failure.text = _XML_ILLEGAL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
     ET.ElementTree(root).write(row.junit, encoding="utf-8", xml_declaration=True)
 
 

@@ -637,3 +637,16 @@ def test_the_layer_junit_fails_a_regression_the_stack_skipped_or_did_not_run(
     assert cases["tests.test_model::test_third"] == "passed"
     assert cases["k3stack.qualify::layer 3 0003-layer-3.patch"] == "failed"
     assert failed == 3
+
+
+def test_the_layer_junit_stays_well_formed_with_control_characters_in_notes(
+    tmp_path: Path,
+) -> None:
+    from k3stack.qualify import write_layer_junit
+
+    junit = tmp_path / "layer-3.xml"
+    row = Row("3 0003-layer-3.patch", ok=False, junit=junit)
+    row.notes.append("vllm.remote: RuntimeError: \x1b[31mno device\x1b[0m\x00")
+    write_layer_junit(row, Outcomes())
+    failure = ET.parse(junit).getroot().find(".//failure")
+    assert failure is not None and "no device" in (failure.text or "")
