@@ -9,8 +9,9 @@ a warning, and whatever calls its ops fails there. vLLM's CUDA platform module
 imports compiled extensions unconditionally, so the wheel also carries a vLLM
 platform plugin (``k3_neutral_platform``) that keeps every process importing it
 on vLLM's platform-neutral code (``UnspecifiedPlatform``), as the CPU
-qualification runs: tensors still live on the GPU. Files are stored in sorted
-order with fixed timestamps, so the same tree gives the same bytes.
+qualification runs: tensors still live on the GPU. Files are written in sorted
+order with fixed timestamps, so the same tree gives the same bytes (with the
+same zlib library: they are deflated).
 
 Usage: ``PYTHONPATH=build python3 ci/vllm_py_wheel.py TREE OUTDIR`` (the
 wheel is written by the stack's own deterministic zip writer,
@@ -62,7 +63,9 @@ def build(tree: Path, outdir: Path) -> Path:
     entries += [(f"{PLUGIN}.py", PLUGIN_SOURCE), *meta.items()]
     outdir.mkdir(parents=True, exist_ok=True)
     wheel = outdir / f"{NAME}-{VERSION}-py3-none-any.whl"
-    writer = ZipWriter(wheel)
+    # Deflated: the wheel is carried to the GPU box within a size limit; its
+    # bytes are the same for the same tree on one machine's zlib.
+    writer = ZipWriter(wheel, deflate=True)
     record: list[list[str]] = []
     for name, data in entries:
         writer.add_bytes(name, data)

@@ -3,7 +3,10 @@
 """The patched wheel: upstream's binaries plus the stack's Python.
 
 Unchanged entries are copied compressed, byte for byte, from the upstream
-wheel; changed and added files are deflated at a fixed level. Every entry gets
+wheel; changed and added files are stored uncompressed: the bytes deflate
+writes depend on the zlib library Python links (zlib-ng, Fedora's system zlib
+since release 40, writes other bytes than zlib), stored bytes do not, and the
+changed files are about 1.7 MB of a 0.3 GB wheel. Every entry gets
 the same fixed timestamp (1980-01-01 00:00, never the build's date) and
 normalised permissions, and entries keep upstream's order with new files sorted
 after them, so the same inputs give the same bytes.
@@ -53,9 +56,12 @@ def wheel_name(upstream: str, local_version: str) -> str:
 class ZipWriter:
     """A zip file of fixed timestamps (1980-01-01), entries in the order added."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, deflate: bool = False):
+        """``deflate``: compress what ``add_bytes`` adds, at the price of
+        bytes that depend on the zlib library; stored otherwise."""
         self.out = path.open("wb")
         self.central: list[bytes] = []
+        self.deflate = deflate
 
     def add(
         self,
@@ -113,6 +119,10 @@ class ZipWriter:
         )
 
     def add_bytes(self, name: str, data: bytes, executable: bool = False) -> None:
+        if not self.deflate:
+            crc = zlib.crc32(data)
+            self.add(name, zipfile.ZIP_STORED, crc, data, len(data), executable)
+            return
         compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
         compressed = compressor.compress(data) + compressor.flush()
         self.add(

@@ -802,3 +802,26 @@ def test_build_of_a_tree_holding_fewer_layers_than_the_series_says_so(
     capsys.readouterr()
     assert cli.main(["build", "--tree", str(tree), "--dist", str(dist)]) == 0
     assert "holds layers" not in capsys.readouterr().out
+
+
+def test_the_wheel_does_not_depend_on_the_zlib_library_python_links(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another deflate implementation (zlib-ng, Fedora's system zlib since
+    release 40) writes other bytes for the same data; the same inputs must
+    give the same wheel wherever they are built."""
+    import zlib
+
+    first = build_into(filled, tmp_path / "zlib")
+    real = zlib.compressobj
+
+    def other_deflate(level: int = -1, method: int = zlib.DEFLATED, wbits: int = 15):
+        # Valid deflate streams as another library writes them: other choices
+        # of matches for the same data.
+        return real(level, method, wbits, 9, zlib.Z_FILTERED)
+
+    monkeypatch.setattr(zlib, "compressobj", other_deflate)
+    second = build_into(filled, tmp_path / "other")
+    assert sha256_file(second.wheel) == sha256_file(first.wheel)
+    with zipfile.ZipFile(second.wheel) as zf:
+        assert zf.testzip() is None
