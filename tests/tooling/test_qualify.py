@@ -221,14 +221,19 @@ def test_a_file_skipped_or_not_collected_on_pristine_and_layer_is_no_regression(
     assert row.ok, row.notes
 
 
+def model_test_the_stack_deselects() -> str:
+    """Upstream's model test with its first test marked 'gpu', which
+    qualify's -m "not gpu" deselects."""
+    return "import pytest\n" + UPSTREAM_FILES["tests/test_model.py"].replace(
+        "def test_step_one", "@pytest.mark.gpu\ndef test_step_one"
+    )
+
+
 def test_a_test_passing_on_pristine_that_no_longer_runs_is_a_regression(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     site0 = prepare(filled, tmp_path)
-    # Marked 'gpu', upstream's test is deselected by qualify's -m "not gpu".
-    test = "import pytest\n" + UPSTREAM_FILES["tests/test_model.py"].replace(
-        "def test_step_one", "@pytest.mark.gpu\ndef test_step_one"
-    )
+    test = model_test_the_stack_deselects()
     test += "\n\ndef test_other():\n    assert True\n"
     change_layer_3(filled, {"tests/test_model.py": test})
     row = qualify_layer_3(filled, tmp_path, site0)
@@ -621,10 +626,7 @@ def test_the_layer_junit_fails_a_regression_the_stack_skipped_or_did_not_run(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     site0 = prepare(filled, tmp_path)
-    # Marked 'gpu', upstream's test is deselected by qualify's -m "not gpu".
-    test = "import pytest\n" + UPSTREAM_FILES["tests/test_model.py"].replace(
-        "def test_step_one", "@pytest.mark.gpu\ndef test_step_one"
-    )
+    test = model_test_the_stack_deselects()
     test += "\n\n@pytest.mark.skip('later')\ndef test_other():\n    assert True\n"
     test += "\n\ndef test_third():\n    assert True\n"
     change_layer_3(filled, {"tests/test_model.py": test})
