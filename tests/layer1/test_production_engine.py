@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The production engine on tiny checkpoints in the upstream draft format."""
 
+import itertools
 import json
 import logging
 import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from vllm.k3_draft.production_engine import (
     DraftCheckpoint,
     ProductionEngine,
     SafetensorsCheckpoint,
+    _layer_attention,
     confined_path,
 )
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
@@ -576,6 +580,55 @@ def test_sliding_window_layers_are_resolved_as_upstream_does(
     assert shape.causal_layers == (
         tuple(w is not None for w in windows) if by_layer_types else ()
     )
+
+
+def test_layer_attention_resolves_as_upstreams_dflash_layers(monkeypatch):
+    """Every combination of the keys upstream's resolution reads, through
+    ``Qwen3Config`` as vLLM reads it, against upstream's own
+    ``_resolve_layer_attention`` (a refusal where it raises; its V1-runner
+    guard on mixed layers is no concern of a draft server)."""
+    from vllm.model_executor.models import qwen3_dflash
+
+    monkeypatch.setattr(
+        qwen3_dflash,
+        "get_current_vllm_config",
+        lambda: SimpleNamespace(use_v2_model_runner=True),
+    )
+    absent = object()
+    keys: dict[str, list[Any]] = {
+        "layer_types": [
+            absent,
+            ["sliding_attention", "full_attention"],
+            ["full_attention"] * 2,
+            ["sliding_attention"] * 2,
+        ],
+        "use_sliding_window": [True, False],
+        "sliding_window": [absent, 48],
+        "is_causal": [absent, True, False],
+    }
+    dflash_keys: dict[str, list[Any]] = {
+        "use_swa": [absent, True, False],
+        "swa_window_size": [absent, 40],
+        "causal": [absent, True, False],
+    }
+    names = [*keys, *dflash_keys]
+    checked = 0
+    for values in itertools.product(*keys.values(), *dflash_keys.values()):
+        chosen = {n: v for n, v in zip(names, values) if v is not absent}
+        dflash = {n: chosen.pop(n) for n in dflash_keys if n in chosen}
+        config = Qwen3Config(num_hidden_layers=2, dflash_config=dflash, **chosen)
+        try:
+            expected = [
+                qwen3_dflash._resolve_layer_attention(config, i) for i in range(2)
+            ]
+        except ValueError:
+            with pytest.raises(CheckpointError, match="sliding attention needs"):
+                _layer_attention(config, 2)
+            continue
+        windows, causal = _layer_attention(config, 2)
+        assert list(zip(windows, causal)) == expected, (chosen, dflash)
+        checked += 1
+    assert checked > 200
 
 
 def test_a_sliding_layer_without_a_window_is_refused(tmp_path):
