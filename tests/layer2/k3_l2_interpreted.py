@@ -3,7 +3,8 @@
 """Upstream's Triton samplers under Triton's CPU interpreter against the
 references of ``k3_l2_reference``; exits non-zero on a mismatch.
 
-Usage: ``TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python k3_l2_interpreted.py``
+Usage: ``TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python k3_l2_interpreted.py
+[standard]``
 (the interpreter must be on before triton is imported; an empty device list
 is how ``vllm.triton_utils`` keeps Triton enabled on a host without a GPU
 driver). Checks, bit for bit on tokens and caches:
@@ -18,11 +19,21 @@ driver). Checks, bit for bit on tokens and caches:
   no ``libdevice.log1p``, it is given ``log(1 + x)``;
 * ``RemoteDraftLogits.publish`` driving upstream's ``gumbel_sample`` against
   the same publish driving the reference (full vocabulary and top-k).
+
+With the argument ``standard`` it checks instead vLLM's default rejection
+method, ``rejection_sample(use_block_verification=False)``, on what layer 2
+hands it: codec replies (top-k over ``TOPK_V`` tokens, and full vocabulary)
+go through ``consume`` and ``publish`` with upstream's ``gumbel_sample``, and
+the drafts, the accepted lengths and every emitted token must be those of
+textbook speculative sampling (Leviathan et al.) with ``q`` the softmax of the
+reply's values at the request's temperature (zero outside a top-k slice),
+drawn with the same Gumbel noise and Philox acceptance uniforms.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import types
 from types import SimpleNamespace
 
@@ -152,6 +163,185 @@ def _check_rejection(use_fp64: bool, topk: int) -> None:
     )
 
 
+def _speculative_sampling(
+    q: np.ndarray,
+    target: np.ndarray,
+    seeds: np.ndarray,
+    pos: np.ndarray,
+    anchors: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Textbook speculative sampling in float64, independent of the cache
+    layout: per request, draft slot ``j`` draws Gumbel-max from ``q[r, j]``
+    (draft noise stream: slot mixed into the seed, keyed by the position
+    before the token), the target accepts the ``i``-th draft ``x`` iff
+    ``u * q(x) < p(x)`` (``u`` the Philox draw at its position), and the
+    first rejection (or the bonus row) emits Gumbel-max of
+    ``max(p - q, 0)`` (or ``p``). Returns drafts ``[R, K]``, accepted
+    lengths ``[R]`` and emitted tokens ``[R]``."""
+    from k3_l2_reference import (
+        _DRAFT_NOISE_SALT,
+        gumbel_noise,
+        philox_uniform,
+        spec_step_seed,
+    )
+
+    reqs, k, vocab = q.shape
+    keys = np.arange(vocab)
+
+    def gumbel_max(probs: np.ndarray, seed, position) -> int:
+        noise = gumbel_noise(seed, position, keys, False).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            return int(np.argmax(np.log(probs) + noise))
+
+    p = np.exp(target - target.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    drafts = np.array(
+        [
+            [
+                gumbel_max(
+                    q[r, j],
+                    spec_step_seed(seeds[r], j),
+                    anchors[r] + j + _DRAFT_NOISE_SALT,
+                )
+                for j in range(k)
+            ]
+            for r in range(reqs)
+        ]
+    )
+    accepted = np.full(reqs, k)
+    emitted = np.zeros(reqs, dtype=np.int64)
+    for r in range(reqs):
+        for i in range(k):
+            u = float(philox_uniform(seeds[r : r + 1], pos[r, i : i + 1])[0])
+            x = drafts[r, i]
+            if not u * q[r, i, x] < p[r, i, x]:
+                accepted[r] = i
+                break
+        a = accepted[r]
+        law = p[r, a] if a == k else np.maximum(p[r, a] - q[r, a], 0.0)
+        emitted[r] = gumbel_max(law, seeds[r], pos[r, a])
+    return drafts, accepted, emitted
+
+
+def _check_standard_rejection(topk: int) -> None:
+    """The default method on layer 2's draft rows (see the module docstring).
+    ``topk`` > 0: every fourth request keeps its slice in the second of the
+    kernel's 8192-token vocabulary blocks, so each block is all fill for some
+    slot, and temperatures 0.5 (``FILL / T`` is -inf in fp32), 1.0 and 1.7."""
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils as utils
+    from vllm.k3_draft.logits_codec import LogitsFormat, encode_logits, sample_positions
+    from vllm.k3_draft.plan import Proposal
+    from vllm.k3_draft.protocol import tensor_frame
+    from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+        RemoteDraftLogits,
+    )
+    from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
+        PublishContext,
+        RemoteStep,
+    )
+
+    utils.tldevice = types.SimpleNamespace(log1p=_log1p)  # type: ignore[assignment]
+    generator = torch.Generator().manual_seed(23 + topk)
+    vocab, reqs, rows, max_reqs = TOPK_V, 9, K + 1, 12
+    temps = (0.5, 1.0, 1.7) if topk else (0.5, 1.7)
+    # Requests sit at shuffled cache rows; seeds are 64-bit.
+    idx = torch.randperm(max_reqs, generator=generator)[:reqs]
+    temperature = torch.tensor([temps[i % len(temps)] for i in range(max_reqs)])
+    seeds = torch.randint(-(2**62), 2**62, (max_reqs,), generator=generator)
+    anchors = torch.randint(0, 1 << 20, (reqs,), generator=generator)
+    # Mostly negative logits, so that reading the fill as a zero logit would
+    # move q.
+    logits = torch.randn(reqs, K, vocab, generator=generator) * 2 - 6
+    logits[::4, :, VOCAB_BLOCK:] += 8
+
+    fmt = LogitsFormat(vocab, topk)
+    max_len = 1 << 21
+    meta, frame = encode_logits(
+        logits, fmt, sample_positions(anchors.tolist(), K, max_len)
+    )
+    meta.update(capability=fmt.capability, num_frames=1)
+    extension = RemoteDraftLogits(
+        fmt, K, max_reqs, max_len, torch.device("cpu"), False, _OneRank()
+    )
+    proposal = Proposal(
+        tuple(map(str, range(reqs))), np.arange(reqs), anchors.numpy(), K
+    )
+    payload = extension.consume(meta, [bytes(tensor_frame(frame))], proposal)
+    drafts = torch.full((reqs, K), -1)
+    step = RemoteStep(
+        input_batch=SimpleNamespace(
+            idx_mapping=idx.int(), has_structured_output_reqs=False
+        ),
+        num_reqs=reqs,
+        num_speculative_tokens=K,
+        temperature=temperature,
+        seeds=seeds,
+        staged=None,
+    )
+    extension.publish(payload, PublishContext(step, drafts))
+
+    # q from the reply alone: the softmax of its values at the request's
+    # temperature, zero outside a top-k slice.
+    temp = temperature[idx].double()[:, None, None]
+    if topk:
+        assert payload.rows.ids is not None and payload.rows.values is not None
+        ids = payload.rows.ids[:reqs].long()
+        values = payload.rows.values[:reqs].view(torch.bfloat16).double()
+        scaled = torch.full((reqs, K, vocab), -torch.inf, dtype=torch.float64)
+        scaled.scatter_(2, ids, values / temp)
+        for in_block in (ids < VOCAB_BLOCK, ids >= VOCAB_BLOCK):
+            assert not in_block.any(-1).all(), "no slot has this block all fill"
+    else:
+        assert payload.dense is not None
+        dense = payload.dense[:reqs].view(torch.bfloat16).double()
+        scaled = dense / temp
+    q = torch.softmax(scaled, -1)
+    # Target rows near the draft so that drafts are often accepted, with most
+    # of their mass on the slice, so that the residual max(p - q, 0) depends
+    # on q.
+    near = torch.where(q > 0, logits, logits - 6).float()
+    bonus = torch.randn(reqs, 1, vocab, generator=generator) * 2
+    target = torch.cat([near, bonus], 1)
+    target = target + torch.randn(reqs, rows, vocab, generator=generator) * 0.7
+    target = (target / temperature[idx][:, None, None]).view(-1, vocab)
+    pos = (anchors[:, None] + 1 + torch.arange(rows)).view(-1)
+
+    want_drafts, accepted, emitted = _speculative_sampling(
+        q.numpy(),
+        target.view(reqs, rows, vocab).double().numpy(),
+        seeds[idx].numpy(),
+        pos.view(reqs, rows).numpy(),
+        anchors.numpy(),
+    )
+    assert torch.equal(drafts, torch.from_numpy(want_drafts)), (drafts, want_drafts)
+    got, got_num = utils.rejection_sample(
+        target.contiguous(),
+        extension.draft_logits,
+        torch.cat([torch.zeros(reqs, 1, dtype=torch.long), drafts], 1).view(-1),
+        torch.arange(reqs + 1) * rows,
+        pos,
+        idx,
+        idx.repeat_interleave(rows),
+        torch.arange(rows).repeat(reqs),
+        temperature,
+        seeds,
+        K,
+        use_block_verification=False,
+    )
+    assert got_num.tolist() == (accepted + 1).tolist(), (got_num, accepted)
+    for r in range(reqs):
+        a = accepted[r]
+        assert got[r, :a].tolist() == drafts[r, :a].tolist(), (r, got[r], drafts[r])
+        assert int(got[r, a]) == emitted[r], (r, got[r], emitted[r])
+    lengths = sorted(set(accepted.tolist()))
+    # Both outcomes occur: a rejection resampled from max(p - q, 0), and a
+    # fully accepted block with its bonus token.
+    assert lengths[0] < K and lengths[-1] > 0, lengths
+    print(
+        f"standard rejection top-k={topk}: {reqs} requests match (accepted {lengths})"
+    )
+
+
 class _OneRank:
     rank_in_group, world_size = 0, 1
 
@@ -216,6 +406,11 @@ def main() -> None:
 
     if not HAS_TRITON:
         raise SystemExit("Triton is disabled: set CUDA_VISIBLE_DEVICES to ''")
+    if sys.argv[1:] == ["standard"]:
+        for topk in (4, 0):
+            _check_standard_rejection(topk)
+        print("standard rejection checks passed")
+        return
     for use_fp64 in (False, True):
         _check_gumbel(use_fp64)
         for topk in (0, 4):
