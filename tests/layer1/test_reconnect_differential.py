@@ -5,15 +5,19 @@
 Seeded random runs of PROPOSE (resets, rewinds as deep as the server allows,
 batches of several requests), RECONNECT (random source, target and prefix
 end, chains of them, a request into itself and then from it at a prefix about
-a window shorter), FREE and RESET on the real server core and reference
-engine. After every PROPOSE, each request's drafts must equal those of a fresh
-server given only that request's history: its own rows since its reset, or
-for a reconnected request its source's history up to ``prefix_end`` and then
-its own rows. What the server cannot draft that way it must refuse, leaving
-its state as it was: a RECONNECT whose window-aligned restore start the
-source's context cache does not cover (the rows it was given or wrote, the
-last ``prefix_cache_tokens`` of them), and a PROPOSE whose anchor's window
-reaches before a restored start.
+a window shorter), FREE (with an id the server never saw, the freed id then
+drafted from as a new request), RESET and CLEAR on the real server core and
+reference engine. After every PROPOSE, each request's drafts must equal those
+of a fresh server given only that request's history: its own rows since its
+reset, or for a reconnected request its source's history up to
+``prefix_end`` and then its own rows. What the server cannot draft that way it
+must refuse, leaving its state as it was: a RECONNECT whose window-aligned
+restore start the source's context cache does not cover (the rows it was
+given or wrote, the last ``prefix_cache_tokens`` of them), a PROPOSE whose
+anchor's window reaches before a restored start, and a PROPOSE of more new
+requests than the table has free slots. After every step, the counters that
+/v1/status and /metrics report must agree with the replies the server gave
+and the histories the client holds.
 """
 
 import dataclasses
@@ -121,6 +125,11 @@ class Run:
         self.max_rewind = self.server.max_rewind
         self.known: dict[str, History] = {}
         self.follow: str | None = None
+        # What the server's status must report, from its replies.
+        self.requests_by_op: dict[str, int] = {}
+        self.errors_by_op: dict[str, int] = {}
+        self.proposed_requests = 0
+        self.context_rows = 0
         self.counts = dict.fromkeys(
             (
                 "compared",
@@ -130,6 +139,8 @@ class Run:
                 "covered_at_the_boundary",
                 "window_refusals",
                 "shorter_after_self",
+                "full_table_refusals",
+                "clears",
             ),
             0,
         )
@@ -149,6 +160,35 @@ class Run:
         assert reply["ok"], reply
         return reply["tokens"][0]
 
+    def tally(self, op: str, reply: dict[str, Any]) -> None:
+        """Count ``reply`` as the server's status must: under ``op``, and as
+        an error unless it is ok."""
+        self.requests_by_op[op] = self.requests_by_op.get(op, 0) + 1
+        if not reply.get("ok"):
+            self.errors_by_op[op] = self.errors_by_op.get(op, 0) + 1
+
+    def check_status(self) -> None:
+        """What /v1/status and /metrics report agrees with the replies
+        counted so far and with the client's histories."""
+        status = self.server.snapshot()
+        errors = self.errors_by_op
+        accepted = {op: n - errors.get(op, 0) for op, n in self.requests_by_op.items()}
+        expected = {
+            "requests_by_op": self.requests_by_op,
+            "errors_by_op": errors,
+            "proposals": accepted.get("PROPOSE", 0),
+            "proposed_requests": self.proposed_requests,
+            "context_rows": self.context_rows,
+            "reconnects": accepted.get("RECONNECT", 0),
+            "reconnect_failures": errors.get("RECONNECT", 0),
+            "active_requests": len(self.known),
+        }
+        assert {key: status[key] for key in expected} == expected
+        # One latency sample per accepted PROPOSE.
+        assert status["latency_ms"]["count"] == expected["proposals"], status
+        cached = sum(h.end - self.cached(h) for h in self.known.values())
+        assert status["prefix_cache"]["cached_tokens"] == cached, status
+
     def reaches_before_restore(self, history: History, anchor: int) -> bool:
         restored = history.start > history.origin
         return restored and anchor - self.limits.window_size < history.start
@@ -156,11 +196,12 @@ class Run:
     def propose(self) -> None:
         rng, limits = self.rng, self.limits
         ids = rng.sample(IDS, rng.randint(1, limits.max_batch_size))
-        if self.follow in self.known and self.follow not in ids:
-            # Right after a RECONNECT: draft (often rewinding) from the target.
+        if self.follow is not None and self.follow not in ids:
+            # Right after a RECONNECT: draft (often rewinding) from the target;
+            # after a FREE: from the freed id as a new request.
             ids[0] = self.follow
         self.follow = None
-        free = self.server.allocator.num_free
+        free = limits.max_requests - len(self.known)
         k = rng.randint(1, limits.max_speculative_tokens)
         budget = limits.max_context_tokens
         entries: list[Entry] = []
@@ -177,7 +218,8 @@ class Run:
             token = rng.randrange(VOCAB - 1)
             if history is None or rng.random() < 0.05:
                 if history is None:
-                    if free == 0:
+                    # Now and then a new request the table has no slot for.
+                    if free <= 0 and rng.random() < 0.9:
                         continue
                     free -= 1
                 first = rng.randint(0, 40)
@@ -204,15 +246,33 @@ class Run:
         ]
         before = table(self.server)
         reply = send_propose(self.server, k, entries, rows)
-        if any(
-            not reset and self.reaches_before_restore(self.known[rid], anchor)
-            for rid, reset, _, anchor, _ in entries
-        ):
-            assert "before the restored start" in reply.get("error", ""), reply
+        self.tally("PROPOSE", reply)
+        refusals = {
+            "window_refusals": any(
+                not reset and self.reaches_before_restore(self.known[rid], anchor)
+                for rid, reset, _, anchor, _ in entries
+            ),
+            "full_table_refusals": free < 0,
+        }
+        if any(refusals.values()):
+            # Either refusal may be the one reported.
+            error = reply.get("error", "")
+            reasons = {
+                "window_refusals": "before the restored start",
+                "full_table_refusals": "free slots",
+            }
+            reported = [
+                name
+                for name, text in reasons.items()
+                if refusals[name] and text in error
+            ]
+            assert reported, reply
             assert table(self.server) == before
-            self.counts["window_refusals"] += 1
+            self.counts[reported[0]] += 1
             return
         assert reply["ok"], (reply, entries)
+        self.proposed_requests += len(entries)
+        self.context_rows += sum(anchor - first for _, _, first, anchor, _ in entries)
         for (rid, reset, first, anchor, token), new_rows, tokens in zip(
             entries, rows, reply["tokens"]
         ):
@@ -280,8 +340,10 @@ class Run:
             request_id=target_id,
             prefix_end=prefix_end,
         )
+        self.tally("RECONNECT", reply)
         if target_id not in self.known and len(self.known) == limits.max_requests:
             assert "no free slot" in reply.get("error", ""), reply
+            assert table(self.server) == before
             return False
         # The source's context cache must hold all of the restore.
         start = self.restore_start(source, prefix_end)
@@ -323,14 +385,30 @@ class Run:
         self.counts["shorter_after_self"] += accepted and kept
 
     def free(self) -> None:
+        """FREE a request, half the time with an id the server never saw
+        (a no-op); then the freed id comes back as a new request."""
         rid = self.rng.choice(sorted(self.known))
-        assert call(self.server, "FREE", request_ids=[rid])["ok"]
+        ids = [rid, "never-seen"] if self.rng.random() < 0.5 else [rid]
+        reply = call(self.server, "FREE", request_ids=ids)
+        self.tally("FREE", reply)
+        assert reply["ok"] and reply["active_requests"] == len(self.known) - 1, reply
         del self.known[rid]
+        if len(ids) > 1:
+            self.follow = rid
 
     def reset(self) -> None:
         rid = self.rng.choice(sorted(self.known))
-        assert call(self.server, "RESET", request_ids=[rid])["ok"]
+        reply = call(self.server, "RESET", request_ids=[rid])
+        self.tally("RESET", reply)
+        assert reply["ok"], reply
         self.known[rid] = History(0, 0, 0, 0, 0, {})
+
+    def clear(self) -> None:
+        reply = call(self.server, "CLEAR")
+        self.tally("CLEAR", reply)
+        assert reply["ok"] and reply["active_requests"] == 0, reply
+        self.known.clear()
+        self.counts["clears"] += 1
 
     def step(self) -> None:
         x = self.rng.random()
@@ -340,10 +418,13 @@ class Run:
             self.reconnect()
         elif x < 0.85:
             self.reconnect_shorter_after_self()
-        elif x < 0.95:
+        elif x < 0.93:
             self.free()
-        else:
+        elif x < 0.98:
             self.reset()
+        else:
+            self.clear()
+        self.check_status()
 
 
 @pytest.fixture
@@ -386,6 +467,7 @@ def test_every_draft_matches_a_fresh_server_given_the_request_history(
     for _ in range(600):
         run.step()
     assert min(run.counts["reconnects"], run.counts["rewinds"]) > 20, run.counts
+    assert min(run.counts["full_table_refusals"], run.counts["clears"]) > 0, run.counts
     if cache >= 2 * window:
         # Room for rows before a restored start that a shorter restore needs.
         assert run.counts["shorter_after_self"] > 0, run.counts
