@@ -427,12 +427,16 @@ def baseline(
     digest.update("\0".join(sorted(tests)).encode())
     digest.update(b"\1" + "\0".join(sorted(settled)).encode())
     cache = work / f"baseline-{digest.hexdigest()[:16]}.json"
-    if cache.is_file():
+    # The pristine run's JUnit XML is cached beside its outcomes: a run that
+    # reuses them writes it into its --out all the same.
+    cached_junit = cache.with_suffix(".xml")
+    junit = out / "baseline.xml"
+    if cache.is_file() and cached_junit.is_file():
         outcomes = Outcomes(json.loads(cache.read_text()))
+        shutil.copyfile(cached_junit, junit)
     else:
         dest = work / "tests-0"
         export_tests(tree, UPSTREAM_TAG, dest, tests)
-        junit = out / "baseline.xml"
         select = work / "settled.json"
         select.write_text(json.dumps(sorted(settled)))
         code, outcomes = run_pytest(python, dest, site0, sorted(tests), junit, select)
@@ -442,6 +446,7 @@ def baseline(
                 "the upstream tests did not run to the end on pristine upstream "
                 f"(pytest exit code {code}); there is no baseline to judge by"
             )
+        shutil.copyfile(junit, cached_junit)
         cache.write_text(json.dumps(outcomes.results, indent=1, sort_keys=True))
     failing = sorted(t for t, s in outcomes.results.items() if s != "passed")
     (out / "baseline.json").write_text(
@@ -702,6 +707,36 @@ def render_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# The names of the files qualify writes into --out.
+REPORT_FILES = re.compile(
+    r"(tooling|baseline|layer-\d+|layer-\d+-focused|layer-\d+-upstream"
+    r"|lower-suites-on-\d+)\.xml|baseline\.json|summary\.md"
+)
+
+
+def earlier_report(out: Path) -> list[Path]:
+    """The files an earlier run wrote into ``out``, which this run removes so
+    that the folder describes it alone (a layer not run this time leaves no
+    XML that reads as this run's); refuse a folder holding anything else,
+    which qualify did not write and leaves alone."""
+    if out.exists() and not out.is_dir():
+        raise StackError(f"qualify: --out {out} is not a folder; refused")
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    foreign = [
+        p.name
+        for p in entries
+        if not (REPORT_FILES.fullmatch(p.name) and p.is_file() and not p.is_symlink())
+    ]
+    if foreign:
+        raise StackError(
+            f"qualify: --out {out} holds {foreign[0]!r}"
+            + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+            + ", which qualify does not write; give an empty folder or the "
+            "--out of an earlier run; refused"
+        )
+    return entries
+
+
 def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     if not stack.layers:
         raise StackError("qualify: patches/series lists no layers; nothing to qualify")
@@ -710,9 +745,12 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     start = time.monotonic()
     work = stack.root / ".work" / "qualify"
     out: Path = args.out
+    stale = earlier_report(out)
+    check_suites(stack)
+    for path in stale:
+        path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    check_suites(stack)
     print(f"qualify: validate ok ({len(stack.layers)} layers)", flush=True)
     rows = [Row("tooling", applies="n/a", imports="n/a", upstream="n/a")]
     code, tooling = run_pytest(

@@ -652,3 +652,72 @@ def test_the_layer_junit_stays_well_formed_with_control_characters_in_notes(
     write_layer_junit(row, Outcomes())
     failure = ET.parse(junit).getroot().find(".//failure")
     assert failure is not None and "no device" in (failure.text or "")
+
+
+def qualify_into(
+    syn: Synthetic, out: Path, layer: int, monkeypatch: pytest.MonkeyPatch
+) -> set[str]:
+    """``qualify --layer N --out OUT`` on ``syn`` (upstream files from a
+    cache holding the synthetic sdist and wheel); the names in ``out``."""
+    monkeypatch.setenv("K3_STACK_CACHE", str(syn.root.parent / "fetch-cache"))
+    args = argparse.Namespace(layer=layer, python=PYTHON, out=out)
+    qualify_command(syn.stack(), syn.pin, args)
+    return {p.name for p in out.iterdir()}
+
+
+def stack_with_suites(syn: Synthetic) -> None:
+    """Give the checkout a tooling suite and each layer a passing suite, and
+    put the synthetic upstream files where ``fetch`` looks first."""
+    cache = syn.root.parent / "fetch-cache"
+    cache.mkdir()
+    for path in (syn.sdist, syn.wheel):
+        shutil.copyfile(path, cache / path.name)
+    for suite in ("tooling", "layer1", "layer2", "layer3"):
+        (syn.root / "tests" / suite).mkdir(parents=True)
+        test = syn.root / "tests" / suite / f"test_{suite}.py"
+        test.write_text("def test_ok():\n    assert True\n")
+    git(syn.root, "add", "-A")
+    git(syn.root, "commit", "-q", "-m", "suites")
+
+
+def test_a_cached_baseline_still_writes_its_junit_into_a_new_out(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack_with_suites(filled)
+    first = qualify_into(filled, tmp_path / "first", 2, monkeypatch)
+    again = qualify_into(filled, tmp_path / "again", 2, monkeypatch)
+    assert "baseline.xml" in first
+    assert again == first
+    pristine = (tmp_path / "first" / "baseline.xml").read_bytes()
+    assert (tmp_path / "again" / "baseline.xml").read_bytes() == pristine
+
+
+def test_a_run_into_the_out_of_an_earlier_run_leaves_none_of_its_files(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack_with_suites(filled)
+    out = tmp_path / "out"
+    assert "layer-2.xml" in qualify_into(filled, out, 2, monkeypatch)
+    names = qualify_into(filled, out, 1, monkeypatch)
+    assert sorted(names) == [
+        "baseline.json",
+        "baseline.xml",
+        "layer-1-focused.xml",
+        "layer-1-upstream.xml",
+        "layer-1.xml",
+        "summary.md",
+        "tooling.xml",
+    ]
+
+
+def test_qualify_refuses_an_out_holding_files_it_did_not_write(
+    synthetic: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_running_tests(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    (out / "layer-2.xml").write_text("<testsuites/>\n")
+    with pytest.raises(StackError, match="holds 'notes.txt', which qualify does not"):
+        qualify_command(synthetic.stack(), synthetic.pin, qualify_args(tmp_path, 2))
+    assert sorted(p.name for p in out.iterdir()) == ["layer-2.xml", "notes.txt"]
