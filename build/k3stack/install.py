@@ -22,6 +22,7 @@ import importlib.util
 import io
 import json
 import os
+import posixpath
 import shutil
 import sys
 from pathlib import Path
@@ -73,6 +74,8 @@ def install(payload: Path, site: Path) -> None:
             "not the pinned upstream release"
         )
     check_payload(payload, lock)
+    record = (payload / "site" / spec["dist_info"] / "RECORD").read_text()
+    kept = _kept_rows(site, (old_dist, new_dist), record, spec["removed"])
     for rel in spec["files"]:
         if rel.startswith(spec["dist_info"] + "/"):
             continue
@@ -86,10 +89,82 @@ def install(payload: Path, site: Path) -> None:
     staged = site / f".{spec['dist_info']}.k3-stack-tmp"
     shutil.rmtree(staged, ignore_errors=True)
     shutil.copytree(payload / "site" / spec["dist_info"], staged)
+    if kept:
+        rows = io.StringIO()
+        csv.writer(rows, lineterminator="\n").writerows(kept)
+        text = record if record.endswith("\n") else record + "\n"
+        (staged / "RECORD").write_text(text + rows.getvalue())
     for stale in (old_dist, new_dist):
         if stale.is_dir():
             shutil.rmtree(stale)
     os.replace(staged, new_dist)
+
+
+def _kept_rows(
+    site: Path, dist_infos: tuple[Path, ...], record: str, removed: list[str]
+) -> list[list[str]]:
+    """The rows of the installed RECORD (``dist_infos``: the upstream's, or
+    the stack's of an earlier install) that the payload's RECORD (``record``)
+    lacks and whose files stay: what the installer that installed upstream
+    wrote itself, such as the console script ``bin/vllm``. They are appended
+    to the new RECORD, hashes and all, so that uninstalling vllm removes
+    them too."""
+    rows = [row for row in csv.reader(io.StringIO(record)) if row]
+    owned = _owned(rows) | {d.name for d in dist_infos}
+    kept: dict[str, list[str]] = {}
+    for dist in dist_infos:
+        path = dist / "RECORD"
+        if not path.is_file():
+            continue
+        for row in csv.reader(io.StringIO(path.read_text())):
+            if (
+                len(row) == 3
+                and row[0] not in removed
+                and _installer_row(row[0], rows, owned)
+                and (site / row[0]).is_file()
+            ):
+                kept.setdefault(row[0], row)
+    return list(kept.values())
+
+
+def _owned(rows: list[list[str]]) -> set[str]:
+    """The top folders of a RECORD's rows: the package and the dist-info."""
+    return {row[0].split("/", 1)[0] for row in rows}
+
+
+def _installer_row(rel: str, rows: list[list[str]], owned: set[str]) -> bool:
+    """Whether a RECORD path not among the payload RECORD's ``rows`` lies
+    outside the folders it ``owned`` (bytecode caches aside): an installer's
+    own file, such as a console script, which the stack leaves as it is."""
+    norm = posixpath.normpath(rel)
+    if rel in {row[0] for row in rows} or norm in {row[0] for row in rows}:
+        return False
+    return norm.split("/", 1)[0] not in owned or _bytecode_cache(Path(norm))
+
+
+def _added_rows(installed: Path, record: Path) -> list[list[str]] | None:
+    """The rows ``install`` appended to the payload's ``record`` in the
+    ``installed`` RECORD, or None when that does not begin with it."""
+    text, ours = installed.read_text(), record.read_text()
+    if text == ours:
+        return []
+    ours = ours if ours.endswith("\n") else ours + "\n"
+    if not text.startswith(ours):
+        return None
+    return [row for row in csv.reader(io.StringIO(text[len(ours) :])) if row]
+
+
+def _only_installer_rows(added: list[list[str]] | None, record: Path) -> bool:
+    """Whether what ``install`` appended to ``record`` is only installer
+    rows (``_installer_row``) of the upstream install."""
+    if added is None:
+        return False
+    rows = [row for row in csv.reader(io.StringIO(record.read_text())) if row]
+    owned = _owned(rows)
+    return all(
+        len(row) == 3 and row[0] and _installer_row(row[0], rows, owned)
+        for row in added
+    )
 
 
 def verify(payload: Path, site: Path) -> list[str]:
@@ -97,8 +172,10 @@ def verify(payload: Path, site: Path) -> list[str]:
     problems found.
 
     Every file the payload's RECORD (checked against the lock) lists must be
-    on disk with its RECORD hash, the RECORD itself as the lock has it, and
-    the payload's removed files must be gone. The folders the RECORD owns
+    on disk with its RECORD hash, the RECORD itself as the lock has it (and
+    after it only the rows ``install`` kept of the upstream install's own
+    files outside the package, such as ``bin/vllm``), and the payload's
+    removed files must be gone. The folders the RECORD owns
     (the package, ``vllm/``, and the dist-info) may hold nothing else: a file
     there that the RECORD does not list is a problem, bytecode caches
     (``__pycache__/*.pyc``) aside, which imports and compiling installers
@@ -110,6 +187,7 @@ def verify(payload: Path, site: Path) -> list[str]:
     spec = lock["payload"]
     check_payload(payload, lock)
     record = payload / "site" / spec["dist_info"] / "RECORD"
+    record_rel = f"{spec['dist_info']}/RECORD"
     problems = []
     listed = set()
     for row in csv.reader(io.StringIO(record.read_text())):
@@ -122,6 +200,9 @@ def verify(payload: Path, site: Path) -> list[str]:
         path = site / rel
         if not path.is_file():
             problems.append(f"{rel}: missing")
+        elif rel == record_rel:
+            if not _only_installer_rows(_added_rows(path, record), record):
+                problems.append(f"{rel}: content differs from the lock")
         elif not digest:
             if rel in spec["files"] and _sha256(path) != spec["files"][rel]:
                 problems.append(f"{rel}: content differs from the lock")

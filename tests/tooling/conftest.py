@@ -60,6 +60,9 @@ def make_wheel(path: Path) -> Path:
         b"Version: 1.0\n\nThe engine.\n",
         "vllm-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
         b"Tag: cp38-abi3-manylinux_2_28_x86_64\n",
+        # Installers write bin/vllm from it, as for upstream's wheel.
+        "vllm-1.0.dist-info/entry_points.txt": b"[console_scripts]\n"
+        b"vllm = vllm.model:step_1\n",
     }
     import base64
 

@@ -825,3 +825,39 @@ def test_the_wheel_does_not_depend_on_the_zlib_library_python_links(
     assert sha256_file(second.wheel) == sha256_file(first.wheel)
     with zipfile.ZipFile(second.wheel) as zf:
         assert zf.testzip() is None
+
+
+def test_the_installed_record_keeps_the_console_script_pip_wrote_for_upstream(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """The image's path: upstream's wheel installed by an installer that
+    writes bin/vllm and lists it in the RECORD, the payload installed over
+    it (twice: a rebuilt image layer), then ``pip uninstall vllm``. The new
+    RECORD must keep that row, hash and all: an uninstaller that goes by the
+    RECORD alone (uv's) would leave the script behind."""
+    import venv
+
+    filled.apply()
+    payload = build_into(filled, tmp_path / "dist").context / "stack"
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = str(env_dir / "bin" / "python")
+
+    def run(*argv: str) -> None:
+        proc = subprocess.run([python, *argv], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def script_rows(dist_info: str) -> list[list[str]]:
+        (record,) = env_dir.glob(f"lib/python*/site-packages/{dist_info}/RECORD")
+        rows = csv.reader(io.StringIO(record.read_text()))
+        return [row for row in rows if row and row[0].endswith("/bin/vllm")]
+
+    run("-m", "pip", "install", "-q", "--no-deps", "--no-index", str(filled.wheel))
+    upstream = script_rows("vllm-1.0.dist-info")
+    assert len(upstream) == 1 and upstream[0][1].startswith("sha256=")
+    run(str(payload / "install.py"), "--payload", str(payload))
+    run(str(payload / "install.py"), "--payload", str(payload))
+    assert script_rows("vllm-1.0+stack.*.dist-info") == upstream
+    run("-m", "pip", "uninstall", "-y", "-q", "vllm")
+    assert not (env_dir / "bin" / "vllm").exists()
+    assert list(env_dir.glob("lib/python*/site-packages/vllm*")) == []
