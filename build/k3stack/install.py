@@ -110,6 +110,7 @@ def _kept_rows(
     to the new RECORD, hashes and all, so that uninstalling vllm removes
     them too."""
     rows = [row for row in csv.reader(io.StringIO(record)) if row]
+    listed = {row[0] for row in rows}
     owned = _owned(rows) | {d.name for d in dist_infos}
     kept: dict[str, list[str]] = {}
     for dist in dist_infos:
@@ -120,7 +121,7 @@ def _kept_rows(
             if (
                 len(row) == 3
                 and row[0] not in removed
-                and _installer_row(row[0], rows, owned)
+                and _installer_row(row[0], listed, owned)
                 and (site / row[0]).is_file()
             ):
                 kept.setdefault(row[0], row)
@@ -132,12 +133,12 @@ def _owned(rows: list[list[str]]) -> set[str]:
     return {row[0].split("/", 1)[0] for row in rows}
 
 
-def _installer_row(rel: str, rows: list[list[str]], owned: set[str]) -> bool:
-    """Whether a RECORD path not among the payload RECORD's ``rows`` lies
+def _installer_row(rel: str, listed: set[str], owned: set[str]) -> bool:
+    """Whether a RECORD path not ``listed`` in the payload's RECORD lies
     outside the folders it ``owned`` (bytecode caches aside): an installer's
     own file, such as a console script, which the stack leaves as it is."""
     norm = posixpath.normpath(rel)
-    if rel in {row[0] for row in rows} or norm in {row[0] for row in rows}:
+    if rel in listed or norm in listed:
         return False
     return norm.split("/", 1)[0] not in owned or _bytecode_cache(Path(norm))
 
@@ -160,9 +161,9 @@ def _only_installer_rows(added: list[list[str]] | None, record: Path) -> bool:
     if added is None:
         return False
     rows = [row for row in csv.reader(io.StringIO(record.read_text())) if row]
-    owned = _owned(rows)
+    listed, owned = {row[0] for row in rows}, _owned(rows)
     return all(
-        len(row) == 3 and row[0] and _installer_row(row[0], rows, owned)
+        len(row) == 3 and row[0] and _installer_row(row[0], listed, owned)
         for row in added
     )
 
