@@ -31,7 +31,8 @@ if [ "$gpus" -lt 2 ]; then
   echo "gpu-h200: $gpus GPU(s): multi_gpu tests deselected"
 fi
 timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m "$marks" \
-  tests/layer1/test_reference_engine.py tests/layer2/test_topk_graphs_gpu.py \
+  tests/layer1/test_reference_engine.py tests/layer1/test_reference_oracle.py \
+  tests/layer2/test_topk_graphs_gpu.py \
   tests/layer2/test_topk_select.py \
   tests/layer3/test_stream_gate_gpu.py \
   tests/layer4/test_slot_mapping_gpu.py tests/layer5/test_fused_mla_verify_gpu.py \

@@ -787,9 +787,41 @@ def test_cli_refuses_a_sliding_window_a_query_block_would_outgrow_in_one_line(
     config["dflash_config"] |= {"use_swa": True, "swa_window_size": 8}
     path.write_text(json.dumps(config))
     assert refusal(caplog, draft, target) == (
-        "Refusing to serve: the draft's sliding window 8 must be above "
-        "max_speculative_tokens 8"
+        "Refusing to serve: the draft's sliding window 8 must cover its query "
+        "block of 9 rows (max_speculative_tokens 8)"
     )
+
+
+def test_a_dspark_window_as_wide_as_its_query_block_is_served(tmp_path):
+    """DSpark queries K rows (DFlash K + 1): a window of K cuts none."""
+    draft, target = write_checkpoints(tmp_path, "dspark")
+    path = draft / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"] |= {"use_swa": True, "swa_window_size": 3}
+    path.write_text(json.dumps(config))
+    assert LIMITS.max_speculative_tokens == 3
+    assert cpu_engine(draft, target).shape.sliding_windows == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "dflash, top, sinks",
+    [
+        ({"attention_sink_bias": None}, {}, False),
+        ({"attention_sink_bias": False}, {"add_swa_attention_sink_bias": True}, False),
+        # The top-level flag is read only without dflash_config's.
+        ({"attention_sink_bias": True}, {"add_swa_attention_sink_bias": "x"}, True),
+        ({}, {"add_swa_attention_sink_bias": True}, True),
+        ({}, {"add_swa_attention_sink_bias": None}, False),
+    ],
+)
+def test_the_sink_flag_is_read_as_upstream_reads_it(tmp_path, dflash, top, sinks):
+    draft, _ = write_checkpoints(tmp_path, "dflash")
+    path = draft / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"] |= dflash
+    config |= top
+    path.write_text(json.dumps(config))
+    assert DraftCheckpoint.from_dir(draft).shape.attention_sinks == sinks
 
 
 def _remove(path: Path) -> None:

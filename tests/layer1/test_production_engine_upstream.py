@@ -294,7 +294,9 @@ class OneRequestAttention(torch.nn.Module):
             * self.scale
         )
         # Positions relative to the context's first: its rows, then the block.
-        query_pos = self.context[0].shape[0] + torch.arange(tokens)[:, None]
+        # FlashAttention aligns queries bottom-right: row i at key index
+        # seqlen_k - seqlen_q + i (seqlen_k cut at the model length).
+        query_pos = keys.shape[0] - tokens + torch.arange(tokens)[:, None]
         key_pos = torch.arange(keys.shape[0])[None, :]
         hidden = torch.zeros(tokens, keys.shape[0], dtype=torch.bool)
         if self.causal:
@@ -309,6 +311,8 @@ class OneRequestAttention(torch.nn.Module):
             weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
         else:
             weights = scores.softmax(-1)
+        # A row that sees no key gets a zero output.
+        weights = weights.masked_fill(hidden.all(-1).to(weights.device)[:, None], 0.0)
         out = torch.einsum("hqk,khd->qhd", weights, values.repeat_interleave(group, 1))
         return out.reshape(tokens, -1)
 
@@ -666,11 +670,14 @@ def test_production_engine_drafts_as_upstreams_model(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "variant", ["plain", "causal", "swa_every_layer", "mixed_layers"]
+)
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_a_query_block_past_the_model_length_drafts_as_upstreams(
-    upstream_model, method, device
+    upstream_model, method, variant, device
 ):
-    draft, target, *models = upstream_model(method, "plain", device)
+    draft, target, *models = upstream_model(method, variant, device)
     engine = loaded_engine(draft, target, device)
     out, rows, anchor, start = draft_past_the_model_length(engine)
     assert out.logits is not None

@@ -249,3 +249,44 @@ def test_a_latent_attention_draft_with_sinks_or_masks_is_refused(attention):
     shape = ReferenceModelConfig(method="dspark", latent_attention=True).shape()
     with pytest.raises(ValueError, match="attends full and non-causal"):
         dataclasses.replace(shape, **attention)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_block_rows_shifted_before_the_first_position_draft_finite_logits(device):
+    """A causal block cut at the model length is aligned to end there, so its
+    first rows sit before a request that starts at its anchor: they see no
+    key. Torch's attention gives such a row zero, as vLLM's backends do, on
+    CPU and CUDA alike; NaN there would spread to every row in the next
+    layer."""
+    engine = TinyEngine(
+        LIMITS, tiny_shape("dflash", "sliding_causal"), torch.device(device)
+    )
+    engine.load()
+    end = LIMITS.max_model_len - 2
+    output = engine.propose(
+        ProposeBatch(
+            num_speculative_tokens=K,
+            slots=[0],
+            starts=[end],
+            ends=[end],
+            anchor_token_ids=[5],
+            counts=[0],
+            positions=torch.zeros(0, dtype=torch.int64),
+            rows=torch.zeros(0, WIDTH, dtype=torch.bfloat16),
+            want_logits=True,
+        )
+    )
+    assert output.logits is not None
+    assert output.logits.isfinite().all()

@@ -690,15 +690,18 @@ class DraftCheckpoint:
         # value scale is no scale.
         dflash = config.get("dflash_config") or {}
         windows, causal = _layer_attention(hf_config, shape.num_layers)
+        # dflash_config's flag, else the top-level one; null is no sinks.
+        sink_config, sink_key = (
+            (dflash, "attention_sink_bias")
+            if "attention_sink_bias" in dflash
+            else (config, "add_swa_attention_sink_bias")
+        )
         shape = dataclasses.replace(
             shape,
             sliding_windows=windows if any(w is not None for w in windows) else (),
             causal_layers=causal if any(causal) else (),
-            attention_sinks=_config_bool(
-                dflash,
-                "attention_sink_bias",
-                _config_bool(config, "add_swa_attention_sink_bias", False),
-            ),
+            attention_sinks=sink_config.get(sink_key) is not None
+            and _config_bool(sink_config, sink_key, False),
         )
         drafter = {**(config.get("eagle_config") or {}), **dflash}
         value_scale = (

@@ -112,7 +112,9 @@ class DraftShape:
     (``latent``). A query row at position p sees the context positions its
     request has in the window, and of its own block every row (non-causal)
     or the rows up to p (causal); a layer with sliding window W sees only
-    positions above p - W, as vLLM's attention backends count a window."""
+    positions above p - W, as vLLM's attention backends count a window. A
+    block that runs e rows past the model length is aligned to end there, as
+    the backends align it: for these masks its rows sit e positions earlier."""
 
     method: str
     vocab_size: int
@@ -439,11 +441,14 @@ class TorchDraftEngine(DraftEngine):
         narrowest = min(
             (w for w in shape.sliding_windows if w is not None), default=None
         )
-        if narrowest is not None and narrowest <= limits.max_speculative_tokens:
+        # DFlash queries K + 1 rows, DSpark K.
+        block = limits.max_speculative_tokens + (shape.method == "dflash")
+        if narrowest is not None and narrowest < block:
             # A window would then cut a query block, where backends differ.
             raise ValueError(
-                f"the draft's sliding window {narrowest} must be above "
-                f"max_speculative_tokens {limits.max_speculative_tokens}"
+                f"the draft's sliding window {narrowest} must cover its query "
+                f"block of {block} rows (max_speculative_tokens "
+                f"{limits.max_speculative_tokens})"
             )
         self.limits = limits
         self.shape = shape
@@ -808,7 +813,10 @@ class TorchDraftEngine(DraftEngine):
         # previous owner left (even NaN or inf): the attentions zero them,
         # since a masked weight of 0 times NaN is still NaN.
         index = self.geometry.slot_mapping(slots[:, None], ctx_pos.clamp(min=0))
-        query_pos = anchor_pos[:, None] + offsets
+        # As FlashAttention aligns a block whose sequence is cut at the model
+        # length: bottom-right, every row `shift` positions earlier.
+        shift = (anchor_pos + rows - self.limits.max_model_len).clamp(min=0)
+        query_pos = anchor_pos[:, None] + offsets - shift[:, None]
         windows: dict[tuple[int | None, bool], _Window] = {}
         for sliding, causal in map(shape.layer_attention, range(shape.num_layers)):
             if (sliding, causal) in windows:
@@ -824,7 +832,10 @@ class TorchDraftEngine(DraftEngine):
                     )
                 block = in_model[:, None, :].expand(-1, rows, -1)
                 if causal:
-                    block = block & (offsets[None, :] <= offsets[:, None])
+                    seen = seen & (ctx_pos[:, None, :] <= query_pos[:, :, None])
+                    block = block & (
+                        (anchor_pos[:, None, None] + offsets) <= query_pos[:, :, None]
+                    )
                 mask = torch.cat((seen, block), 2)[:, None]
             windows[sliding, causal] = _Window(index, ctx_seen, mask)
         attention = (
