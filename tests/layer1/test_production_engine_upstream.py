@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from k3_devices import DEVICES
 from safetensors.torch import save_file
 from toy_target import init_single_rank_world
 
@@ -571,18 +572,6 @@ def loaded_engine(draft: Path, target: Path, device: str) -> ProductionEngine:
     engine.load()
     engine.capture_cuda_graphs()
     return engine
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 def drafts_over_two_proposes(

@@ -34,11 +34,11 @@ from typing import Any
 
 import pytest
 import torch
+from k3_devices import DEVICES
 from k3_mla_layout import is_norm, mla_draft_weight_shapes
 from safetensors.torch import save_file
 from test_production_engine_upstream import (
     AUX_LAYERS,
-    DEVICES,
     LIMITS,
     MASK_TOKEN,
     TARGET_HIDDEN,

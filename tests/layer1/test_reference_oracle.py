@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from k3_devices import DEVICES
 
 from vllm.k3_draft.engine import DraftLimits, ProposeBatch
 from vllm.k3_draft.reference_engine import (
@@ -251,19 +252,7 @@ def test_a_latent_attention_draft_with_sinks_or_masks_is_refused(attention):
         dataclasses.replace(shape, **attention)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_block_rows_shifted_before_the_first_position_draft_finite_logits(device):
     """A causal block cut at the model length is aligned to end there, so its
     first rows sit before a request that starts at its anchor: they see no
