@@ -45,6 +45,11 @@ def _record_sha256(path: Path) -> str:
     return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
+def matches_record(path: Path, digest: str, size: str) -> bool:
+    """Whether the file ``path`` has a RECORD row's size and hash."""
+    return path.stat().st_size == int(size) and _record_sha256(path) == digest
+
+
 def find_site(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -207,7 +212,7 @@ def verify(payload: Path, site: Path) -> list[str]:
         elif not digest:
             if rel in spec["files"] and _sha256(path) != spec["files"][rel]:
                 problems.append(f"{rel}: content differs from the lock")
-        elif path.stat().st_size != int(size) or _record_sha256(path) != digest:
+        elif not matches_record(path, digest, size):
             problems.append(f"{rel}: content differs from RECORD")
     for top in sorted({rel.split("/", 1)[0] for rel in listed}):
         if (site / top).is_dir():

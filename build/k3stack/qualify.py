@@ -35,7 +35,7 @@ from k3stack import StackError
 from k3stack.artifacts import build
 from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
-from k3stack.install import _record_sha256
+from k3stack.install import matches_record
 from k3stack.pin import Pin
 from k3stack.series import Layer, Stack, check_suites
 from k3stack.upstream import from_sdist, require_tar_filters
@@ -301,11 +301,7 @@ def changed_file(wheel: Path, site: Path) -> str | None:
         if len(row) != 3 or not row[1]:
             continue
         path = site / row[0]
-        if (
-            not path.is_file()
-            or path.stat().st_size != int(row[2])
-            or _record_sha256(path) != row[1]
-        ):
+        if not path.is_file() or not matches_record(path, row[1], row[2]):
             return row[0]
     return None
 
