@@ -299,9 +299,16 @@ def build_tree(
                 commit_all(staging, layer.patch.commit_message(), date=date)
                 git(staging, "tag", layer_tag(layer.number))
             write_marker(staging, len(layers), digests_of(stack, len(layers)), source)
+            # The old tree is renamed aside (a staging name: a killed apply's
+            # is removed by the next) before it is removed: an interrupt never
+            # leaves ``dest`` half removed.
+            old = None
             if dest.exists():
-                shutil.rmtree(dest)
+                old = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+                dest.rename(old)
             staging.rename(dest)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         finally:
             if staging.exists():
                 shutil.rmtree(staging)

@@ -17,7 +17,7 @@ from k3stack import StackError
 from k3stack.gitutil import git
 from k3stack.patchfile import FilePatch, HunkMismatch, apply_exact, parse_diff
 from k3stack.refresh import refresh
-from k3stack.worktree import current_marker, write_marker
+from k3stack.worktree import MARKER, current_marker, write_marker
 
 
 def snapshot(syn: Synthetic) -> dict[str, bytes]:
@@ -713,6 +713,35 @@ def test_apply_removes_the_staging_tree_a_killed_apply_left(filled: Synthetic) -
     staging = killed_apply_staging(filled)
     filled.apply()
     assert not staging.exists()
+
+
+def test_an_apply_interrupted_while_it_replaces_the_tree_can_be_run_again(
+    filled: Synthetic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while apply removes the tree it replaces: the tree must not be
+    left half removed, which the next apply refuses as uncommitted edits."""
+    import shutil
+
+    filled.apply()
+    head = git(filled.tree, "rev-parse", "HEAD")
+    remove = shutil.rmtree
+
+    def interrupted(path: Path, *args: object, **kwargs: object) -> None:
+        if (Path(path) / ".git" / MARKER).is_file():
+            monkeypatch.undo()
+            (Path(path) / "vllm" / "envs.py").unlink()  # what it removed so far
+            raise KeyboardInterrupt
+        remove(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        filled.apply()
+    filled.apply()
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+    assert git(filled.tree, "status", "--porcelain") == ""
+    assert sorted(p.name for p in filled.tree.parent.iterdir()) == sorted(
+        ["checkout", "tree", filled.sdist.name, filled.wheel.name]
+    )
 
 
 def test_apply_keeps_a_staging_tree_that_a_running_apply_holds(
