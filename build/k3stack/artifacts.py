@@ -132,16 +132,19 @@ def _foreign_files(context: Path) -> list[str]:
 def _publish(staged: BuildResult, out_dir: Path, pin: Pin) -> BuildResult:
     """Move a staged build into ``out_dir`` in place of the previous one.
 
-    The old lock goes first and the new one comes last, so a lock in
-    ``out_dir`` always sits beside the complete set of artifacts it names.
+    The old context is first moved into the staging folder (which goes with
+    the build, or with the next one if this one is killed): a context that
+    cannot be moved changes nothing, an interrupt leaves none half removed.
+    The old lock goes next and the new one comes last, so a lock in
+    ``out_dir`` sits beside the complete set of artifacts it names.
     """
+    context = out_dir / "image"
+    if context.exists():
+        context.rename(staged.context.with_name("image.old"))
     lock = out_dir / LOCK_NAME
     lock.unlink(missing_ok=True)
     for old in out_dir.glob(f"{pin.name}-{pin.version}+stack.*.whl"):
         old.unlink()
-    context = out_dir / "image"
-    if context.exists():
-        shutil.rmtree(context)
     wheel = staged.wheel.replace(out_dir / staged.wheel.name)
     staged.context.rename(context)
     staged.lock.replace(lock)

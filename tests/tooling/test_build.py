@@ -22,7 +22,13 @@ import pytest
 from conftest import Synthetic
 
 from k3stack import StackError
-from k3stack.artifacts import STAGING_PREFIX, BuildResult, build, docker_build
+from k3stack.artifacts import (
+    LOCK_NAME,
+    STAGING_PREFIX,
+    BuildResult,
+    build,
+    docker_build,
+)
 from k3stack.fetch import sha256_file
 from k3stack.gitutil import git
 from k3stack.upstream import extract_sdist
@@ -344,6 +350,80 @@ def test_a_build_clears_what_a_killed_build_left_behind(
     assert sorted(os.listdir(dist)) == sorted(
         ["image", "stack.lock.json", second.wheel.name]
     )
+
+
+# A build whose process is interrupted while it removes the previous image
+# context, once part of it (its lock) is gone.
+_CHILD_INTERRUPTED_BUILD = """
+import pickle, shutil, sys
+from pathlib import Path
+from k3stack.artifacts import build
+from k3stack.series import load_stack
+root, pin, tree, wheel, out = pickle.loads(bytes.fromhex(sys.argv[1]))
+remove = shutil.rmtree
+def interrupted(path, *args, **kwargs):
+    locks = [p for p in Path(path).rglob("stack.lock.json") if p.parent.name == "stack"]
+    if not locks:
+        return remove(path, *args, **kwargs)
+    locks[0].unlink()
+    raise KeyboardInterrupt
+shutil.rmtree = interrupted
+build(load_stack(root), pin, tree, wheel, out, layers=3)
+"""
+
+
+def test_a_build_interrupted_while_the_old_image_context_goes_can_be_run_again(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """Ctrl-C while the previous context is removed: what is left must not be
+    refused by the next build as files a build does not make."""
+    filled.apply()
+    dist = tmp_path / "dist"
+    first = build_into(filled, dist)
+    inputs = pickle.dumps((filled.root, filled.pin, filled.tree, filled.wheel, dist))
+    path = os.pathsep.join([str(BUILD), os.environ.get("PYTHONPATH", "")])
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD_INTERRUPTED_BUILD, inputs.hex()],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "KeyboardInterrupt" in child.stderr
+    again = build_into(filled, dist)
+    assert again.lock.read_bytes() == first.lock.read_bytes()
+    assert sorted(os.listdir(dist)) == ["image", LOCK_NAME, first.wheel.name]
+
+
+def test_a_build_that_cannot_replace_the_image_context_keeps_the_previous_build(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old context the build may not remove or move (files another user
+    owns): refused, the previous wheel and lock still there."""
+    import shutil
+
+    filled.apply()
+    dist = tmp_path / "dist"
+    first = build_into(filled, dist)
+    before = {p.name: p.read_bytes() for p in dist.iterdir() if p.is_file()}
+    context = dist / "image"
+    remove, rename = shutil.rmtree, os.rename
+
+    def not_permitted(real):
+        def guarded(path, *args, **kwargs):
+            if Path(path) == context:
+                raise PermissionError(13, "Permission denied", str(context))
+            return real(path, *args, **kwargs)
+
+        return guarded
+
+    monkeypatch.setattr(shutil, "rmtree", not_permitted(remove))
+    monkeypatch.setattr(os, "rename", not_permitted(rename))
+    with pytest.raises(StackError, match="Permission denied") as e:
+        build_into(filled, dist)
+    assert "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in dist.iterdir() if p.is_file()} == before
+    assert (context / "stack" / LOCK_NAME).read_bytes() == first.lock.read_bytes()
 
 
 def test_a_dist_that_cannot_be_written_is_refused_in_one_line(
