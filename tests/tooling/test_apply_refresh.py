@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,49 @@ def amend_with(syn: Synthetic, n: int, edit: Callable[[Path], None]) -> None:
     git(syn.tree, "add", "-A")
     git(syn.tree, "commit", "-q", "--amend", "--no-edit")
     git(syn.tree, "rebase", "-q", "--onto", "HEAD", f"layer-{n}", "main")
+
+
+def test_a_checkout_made_with_core_autocrlf_holds_the_stack_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    """A clone under ``core.autocrlf=true`` (a Windows-style git set-up):
+    the patches, overlay and image inputs must reach apply and build as
+    committed, not with CRLF line ends (apply then failed on the patches'
+    headers, and the wheel would differ)."""
+    import shutil
+    import subprocess
+
+    from k3stack.series import load_stack
+
+    root = Path(__file__).resolve().parents[2]
+    inputs = ["patches", "overlay", "build/Dockerfile", "build/k3stack/install.py"]
+    repo = tmp_path / "repo"
+    for rel in [".gitattributes", *inputs]:
+        source, target = root / rel, repo / rel
+        if source.is_dir():
+            shutil.copytree(source, target)
+        elif source.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "stack")
+    clone = tmp_path / "clone"
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    subprocess.run(
+        ["git", "-c", "core.autocrlf=true", "clone", "-q", str(repo), str(clone)],
+        env=env,
+        check=True,
+    )
+    files = sorted(
+        p.relative_to(repo)
+        for p in repo.rglob("*")
+        if p.is_file() and ".git" not in p.parts
+    )
+    assert {str(rel): (clone / rel).read_bytes() for rel in files} == {
+        str(rel): (repo / rel).read_bytes() for rel in files
+    }
+    assert load_stack(clone).stack_hash() == load_stack(repo).stack_hash()
 
 
 def test_apply_commits_pristine_then_one_commit_per_layer(filled: Synthetic) -> None:
