@@ -83,6 +83,31 @@ def test_a_checkout_made_with_core_autocrlf_holds_the_stack_byte_for_byte(
     assert load_stack(clone).stack_hash() == load_stack(repo).stack_hash()
 
 
+def test_the_tooling_on_a_python_older_than_3_11_says_so_in_one_line() -> None:
+    """``python3 -m nox -s apply build`` where python3 is 3.10 (Ubuntu 22.04's):
+    one line naming the Python it needs, not a traceback from an import."""
+    import subprocess
+    import sys
+
+    build_dir = Path(__file__).resolve().parents[2] / "build"
+    as_310 = (
+        "import runpy, sys; sys.version_info = (3, 10, 13, 'final', 0); "
+        "runpy.run_module('k3stack', run_name='__main__')"
+    )
+    # An --upto no series has: refused at once, should the check not come first.
+    child = subprocess.run(
+        [sys.executable, "-c", as_310, "apply", "--upto", "999"],
+        env={**os.environ, "PYTHONPATH": str(build_dir)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert child.returncode == 1
+    assert child.stderr.count("\n") == 1, child.stderr
+    assert "Python 3.11.4 or later" in child.stderr
+    assert "3.10.13" in child.stderr
+
+
 def test_apply_commits_pristine_then_one_commit_per_layer(filled: Synthetic) -> None:
     filled.apply()
     log = git(filled.tree, "log", "--format=%s", "--reverse").splitlines()
