@@ -289,6 +289,8 @@ def build_tree(
         staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
         lock = lock_folder(staging)
         try:
+            # mkdtemp's 0700, not what the umask gives the tree's files.
+            staging.chmod(0o777 & ~_umask())
             source = lay_out_pristine(staging)
             git(staging, "init", "-q", "-b", "main")
             commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
@@ -315,6 +317,12 @@ def build_tree(
             os.close(lock)
     except OSError as e:
         raise StackError(f"apply into {dest} failed: {e}") from e
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def lock_folder(folder: Path) -> int:

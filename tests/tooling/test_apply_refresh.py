@@ -108,6 +108,24 @@ def test_the_tooling_on_a_python_older_than_3_11_says_so_in_one_line() -> None:
     assert "3.10.13" in child.stderr
 
 
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_the_applied_tree_follows_the_umask_as_its_files_do(
+    filled: Synthetic, umask: int
+) -> None:
+    """A group's shared box (umask 002): the tree's own folder must not be
+    private (its staging folder's 0700) while every file in it is shared."""
+    old = os.umask(umask)
+    try:
+        filled.apply()
+    finally:
+        os.umask(old)
+    modes = {
+        oct(p.stat().st_mode & 0o777)
+        for p in [filled.tree, filled.tree / "vllm", filled.tree / ".git"]
+    }
+    assert modes == {oct(0o777 & ~umask)}
+
+
 def test_apply_commits_pristine_then_one_commit_per_layer(filled: Synthetic) -> None:
     filled.apply()
     log = git(filled.tree, "log", "--format=%s", "--reverse").splitlines()
