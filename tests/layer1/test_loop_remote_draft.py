@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 
 from toy_target import ToyTarget, VerifierLoop
@@ -303,3 +305,40 @@ def test_a_restarted_incompatible_server_is_refused_until_a_compatible_one_is_ba
     _step_until_drafted(loop, "b")
     assert _status(server)["requests_by_op"]["PING"] >= 1
     assert _run_to_completion(loop)["b"] == target.generate(_prompt(61, 20), 80)
+
+
+def test_reused_id_prefilled_while_offline_is_not_continued_from_the_finished_request(
+    draft_server_factory, make_speculator, oracle
+):
+    """A finished request's id taken by a new request (other tokens) that is
+    admitted and prefilled while the draft server does not answer, up to the
+    old request's committed end, is not continued from the old request's
+    draft KV once the server answers again (the loop checks every draft
+    against the context it was asked for)."""
+    server = draft_server_factory()
+    speculator, table = make_speculator(server.address, timeout_ms=1000)
+    target = ToyTarget(oracle)
+    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
+    loop.add("a", _prompt(1, 20), max_tokens=12)
+    _run_to_completion(loop)
+    end = speculator.plan.retained["a"].end
+    loop.add("b", _prompt(3, 20), max_tokens=40)
+    loop.step(["b"])
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        loop.step(["b"])  # times out: "b" is stale, the client retries
+        prompt = _prompt(2, end)
+        loop.add("a", prompt, max_tokens=8)
+        loop.step(["a", "b"])  # the retry's PING finds no PONG: no RPC
+        assert speculator.plan.server is None
+        assert loop.requests["a"].num_computed == end
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    # Its PONG comes: the next step is back online.
+    assert speculator.plan.client._socket.poll(30_000)
+    drafted = loop.stats.drafted
+    loop.step(["a", "b"])
+    assert loop.stats.drafted > drafted
+    finished = _run_to_completion(loop)
+    assert finished["a"] == target.generate(prompt, 8)

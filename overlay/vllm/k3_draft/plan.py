@@ -212,6 +212,10 @@ class _Retained:
     # its context cache only drops old positions, so it covers no prefix
     # end at or below it again.
     refused_end: int = -1
+    # The step whose PROPOSE brought the server to ``end`` (-1: a RECONNECT
+    # did); a decode step right after it continues the same request, whose
+    # id no new request can have taken in between.
+    proposed_step: int = -1
 
 
 class _TimingLog:
@@ -332,7 +336,6 @@ class RemotePlan:
         self.server: ServerInfo | None = None
         self._server_id: str | None = None
         self._step = 0
-        self._previous_batch: set[str] = set()
         self._timing = _TimingLog(timing_log_interval)
         self._retry_interval_s = retry_interval_s
         self._max_retry_interval_s = max_retry_interval_s
@@ -449,7 +452,6 @@ class RemotePlan:
             # restarted server (their requests are already stale): fail
             # closed as a failed PROPOSE does.
             self._call_failed("RPC", exc)
-        self._previous_batch = batch
         return result
 
     def _run(self, step: StepInputs, batch: set[str], result: StepResult) -> None:
@@ -498,12 +500,14 @@ class RemotePlan:
         """Whether the server's state is the committed prefix of ``request``."""
         if request.first_position != state.end:
             return False
-        if request.request_id in self._previous_batch and (
+        if state.proposed_step == self._step - 1 and (
             request.decoding or request.tokens is None
         ):
             return True
-        # Back after an absence, or a prefill chunk (the id may be a new
-        # request's): its tokens may differ from those the server holds.
+        # Back after an absence or a step without a PROPOSE of it (the server
+        # unreachable, a call before it failed: the verifier may have finished
+        # the request and prefilled a new one under its id meanwhile), or a
+        # prefill chunk: its tokens may differ from those the server holds.
         return (
             state.tokens is not None
             and request.tokens is not None
@@ -598,6 +602,7 @@ class RemotePlan:
             # tokens up to prefix_end, whatever it held before.
             state.start, state.end = restored, prefix_end
             state.tokens.assign(request.tokens, 0, prefix_end)
+            state.proposed_step = -1
         return True
 
     def _find_source(self, request: StepRequest) -> str | None:
@@ -727,9 +732,12 @@ class RemotePlan:
         tokens = request.tokens
         if reset or state is None:
             log = None if tokens is None else _TokenLog(tokens[:end])
-            self.retained[rid] = _Retained(request.first_position, end, log, self._step)
+            self.retained[rid] = _Retained(
+                request.first_position, end, log, self._step, proposed_step=self._step
+            )
             return
         if state.tokens is not None and tokens is not None:
             state.tokens.assign(tokens, request.first_position, end)
         state.end = end
         state.last_used = self._step
+        state.proposed_step = self._step
