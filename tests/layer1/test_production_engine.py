@@ -689,6 +689,27 @@ def test_symlink_out_of_the_root_is_refused(tmp_path):
         confined_path(target.resolve(), "link.safetensors")
 
 
+@pytest.mark.parametrize(
+    "entry, reason",
+    [
+        ("loop.safetensors", "Symlink loop|many levels of symbolic links"),
+        ("a\x00b.safetensors", "embedded null byte"),
+    ],
+    ids=["symlink-loop", "nul-byte"],
+)
+def test_an_index_entry_that_cannot_be_resolved_is_refused_in_one_line(
+    tmp_path, caplog, entry, reason
+):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    (target / "loop.safetensors").symlink_to(target / "loop.safetensors")
+    index = {"weight_map": {"lm_head.weight": entry}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert re.search(
+        f"Refusing to serve: cannot resolve {re.escape(repr(entry))} in .*({reason})",
+        refusal(caplog, draft, target),
+    )
+
+
 def test_absolute_index_path_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="is an absolute path"):
         confined_path(tmp_path, "/etc/passwd")

@@ -182,7 +182,11 @@ def confined_path(root: Path, relative: str) -> Path:
     ``root``."""
     if os.path.isabs(relative):
         raise CheckpointError(f"{relative} is an absolute path")
-    path = (root / relative).resolve()
+    try:
+        path = (root / relative).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        # A symlink loop (a RuntimeError before Python 3.13), a NUL byte.
+        raise CheckpointError(f"cannot resolve {relative!r} in {root}: {exc}") from None
     if not path.is_relative_to(root):
         raise CheckpointError(f"{relative} escapes the checkpoint root {root}")
     return path
