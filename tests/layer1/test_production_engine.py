@@ -5,7 +5,11 @@
 import itertools
 import json
 import logging
+import os
 import re
+import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -921,6 +925,38 @@ def test_unreadable_checkpoint_files_are_refused_in_one_line(
     draft, target = write_checkpoints(tmp_path, "dflash")
     damage(tmp_path / relative)
     assert re.search("Refusing to serve: .*" + reason, refusal(caplog, draft, target))
+
+
+def test_a_target_directory_without_search_permission_is_refused_in_one_line(
+    tmp_path,
+):
+    """The server program, as an operator runs it (root reads through file
+    permissions unless it drops the capabilities that let it)."""
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if os.geteuid() != 0:
+        drop = []
+    elif shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv reads any directory")
+    command = [
+        *drop,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.k3_dspark_standalone",
+        *("--engine", "production", "--device", "cpu", "--window-size", "64"),
+        *("--draft-model", str(draft), "--target-model", str(target)),
+        *("--address", f"ipc://{tmp_path}/draft.ipc"),
+        *("--status-port", str(free_tcp_port())),
+    ]
+    target.chmod(0)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finally:
+        target.chmod(0o755)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    index = target / "model.safetensors.index.json"
+    assert line.endswith(f"Refusing to serve: cannot read {index}: Permission denied")
 
 
 @pytest.mark.parametrize(

@@ -218,7 +218,10 @@ class SafetensorsCheckpoint:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve(strict=True)
         index = self.root / SAFETENSORS_INDEX
-        if index.is_file():
+        with _reading(index):
+            # stat() of a root without search permission raises.
+            indexed = index.is_file()
+        if indexed:
             index = confined_path(self.root, SAFETENSORS_INDEX)
             document = read_json(index)
             weight_map = (
