@@ -863,6 +863,21 @@ def _safetensors(header: str, data: bytes = b""):
     return lambda path: path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
 
 
+def _alias_second_layer_norm(path: Path) -> None:
+    """Points layer 1's input norm at layer 0's bytes (same size)."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    norm = "layers.{}.input_layernorm.weight"
+    header[norm.format(1)]["data_offsets"] = header[norm.format(0)]["data_offsets"]
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size :])
+
+
+def _append(data: bytes):
+    return lambda path: path.write_bytes(path.read_bytes() + data)
+
+
 _DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
 
@@ -905,7 +920,38 @@ _DEEP_JSON = "[" * 100_000 + "]" * 100_000
                 '"data_offsets": [-64, 0]}}',
                 bytes(64),
             ),
-            "fc.weight: byte range does not match its shape",
+            r"fc.weight: data offsets \[-64, 0\] in .* are not a byte range",
+        ),
+        # The byte ranges must tile the data, as the safetensors library
+        # requires; a range past the end is refused before it is read.
+        (
+            "draft/model.safetensors",
+            _safetensors(
+                '{"fc.weight": {"dtype": "BF16", "shape": [1099511627776, '
+                '1099511627776], "data_offsets": [0, 2417851639229258349412352]}}',
+                bytes(16),
+            ),
+            "model.safetensors is truncated: its tensors end at data byte "
+            "2417851639229258349412352, the file holds 16",
+        ),
+        (
+            "draft/model.safetensors",
+            _alias_second_layer_norm,
+            r"layers.1.input_layernorm.weight: data offsets \[\d+, \d+\] in "
+            ".* overlap the tensor before",
+        ),
+        (
+            "draft/model.safetensors",
+            _append(bytes(4)),
+            "model.safetensors is not a safetensors file: 4 bytes after its last",
+        ),
+        (
+            "draft/model.safetensors",
+            _safetensors(
+                '{"fc.weight": {"dtype": "F32", "shape": [1180591620717411303424, '
+                '0], "data_offsets": [0, 0]}}'
+            ),
+            r"fc.weight: shape \[1180591620717411303424, 0\] in .* is too large",
         ),
         (
             "target/model-00002-of-00002.safetensors",

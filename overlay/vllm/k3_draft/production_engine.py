@@ -240,12 +240,16 @@ class SafetensorsCheckpoint:
 
     @staticmethod
     def _header(path: Path) -> dict[str, Any]:
-        """Tensor entries of a safetensors file (with ``"data_start"``)."""
+        """Tensor entries of a safetensors file (with ``"data_start"``),
+        whose byte ranges tile the data after the header as the safetensors
+        library requires (no overlap, no gap, nothing past the file's end or
+        after the last tensor)."""
         with _reading(path), open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             if size > 100 << 20:
                 raise CheckpointError(f"{path} has a {size}-byte header")
             raw = f.read(size)
+            data_bytes = os.fstat(f.fileno()).st_size - 8 - size
         try:
             header = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -253,10 +257,40 @@ class SafetensorsCheckpoint:
         if not isinstance(header, dict):
             raise CheckpointError(f"{path} is not a safetensors file")
         header.pop("__metadata__", None)
+        ranges = []
         for name, entry in header.items():
             if not isinstance(entry, dict):
                 raise CheckpointError(f"{path} is not a safetensors file ({name})")
+            offsets = entry.get("data_offsets")
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != 2
+                or any(type(offset) is not int for offset in offsets)
+                or not 0 <= offsets[0] <= offsets[1]
+            ):
+                raise CheckpointError(
+                    f"{name}: data offsets {offsets!r} in {path} are not a byte range"
+                )
+            ranges.append((offsets[0], offsets[1], name))
             entry["data_start"] = 8 + size
+        end = 0
+        for begin, stop, name in sorted(ranges):
+            if begin != end:
+                what = "overlap the tensor before" if begin < end else "leave a gap"
+                raise CheckpointError(
+                    f"{name}: data offsets {[begin, stop]} in {path} {what}"
+                )
+            end = stop
+        if end > data_bytes:
+            raise CheckpointError(
+                f"{path} is truncated: its tensors end at data byte {end}, "
+                f"the file holds {max(data_bytes, 0)}"
+            )
+        if end < data_bytes:
+            raise CheckpointError(
+                f"{path} is not a safetensors file: {data_bytes - end} bytes "
+                "after its last tensor"
+            )
         return header
 
     def __contains__(self, name: str) -> bool:
@@ -284,6 +318,9 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{name}: malformed entry in {path}") from None
         if any(size < 0 for size in shape):
             raise CheckpointError(f"{name}: negative shape {list(shape)} in {path}")
+        if any(size >= 1 << 63 for size in shape):
+            # Beyond torch's sizes (an empty tensor has no bytes to check).
+            raise CheckpointError(f"{name}: shape {list(shape)} in {path} is too large")
         if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{name}: byte range does not match its shape")
         with _reading(path), open(path, "rb") as f:
