@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The production engine on tiny checkpoints in the upstream draft format."""
 
+import hashlib
 import itertools
 import json
 import logging
@@ -712,6 +713,42 @@ def test_an_index_entry_that_cannot_be_resolved_is_refused_in_one_line(
         f"Refusing to serve: cannot resolve {re.escape(repr(entry))} in .*({reason})",
         refusal(caplog, draft, target),
     )
+
+
+def as_hub_snapshot(folder: Path, repo: Path) -> Path:
+    """The files of ``folder`` as huggingface_hub caches a repository:
+    ``repo/blobs/<sha256>`` and links to them in ``repo/snapshots/<rev>``."""
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in folder.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(repo / "blobs" / blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+    return snapshot
+
+
+@pytest.mark.parametrize("method", ["dflash", "mla"])
+def test_checkpoints_in_the_huggingface_hub_cache_are_served(tmp_path, method):
+    """Where vLLM reads a checkpoint downloaded by huggingface_hub."""
+    draft, target = write_checkpoints(tmp_path, method)
+    hub = tmp_path / "hub"
+    draft = as_hub_snapshot(draft, hub / "models--org--draft")
+    target = as_hub_snapshot(target, hub / "models--org--target")
+    assert_drafts_as_the_reference(draft, target, method)
+
+
+def test_a_hub_snapshot_file_linked_outside_its_repository_blobs_is_refused(
+    tmp_path,
+):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    target = as_hub_snapshot(target, tmp_path / "hub" / "models--org--target")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    (target / "model-00002-of-00002.safetensors").resolve().rename(elsewhere)
+    (target / "model-00002-of-00002.safetensors").unlink()
+    (target / "model-00002-of-00002.safetensors").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="escapes the checkpoint root"):
+        SafetensorsCheckpoint(target)
 
 
 def test_absolute_index_path_is_refused(tmp_path):

@@ -11,7 +11,8 @@ config helpers resolve the parallel-drafting (mask) token id and the target's
 aux layers, which set the context width (target hidden size x aux layers).
 Embedding and LM head that the draft does not ship are read from the target
 checkpoint through its safetensors index, as bf16; every file either
-checkpoint names must resolve to a path under that checkpoint's root.
+checkpoint names must resolve to a path under that checkpoint's root (or, for
+a snapshot in huggingface_hub's cache, to a blob of its repository).
 
 Supported: full or sliding-window, non-causal or causal attention per layer
 over the window, with or without attention sinks, resolved from the config as
@@ -179,7 +180,9 @@ class CheckpointError(ValueError):
 
 def confined_path(root: Path, relative: str) -> Path:
     """``root / relative`` resolved (symlinks followed); it must stay under
-    ``root``."""
+    ``root``, or, where ``root`` is a snapshot of huggingface_hub's cache
+    (``<repo>/snapshots/<revision>``, whose files link to
+    ``<repo>/blobs/<hash>``), be a blob of that repository."""
     if os.path.isabs(relative):
         raise CheckpointError(f"{relative} is an absolute path")
     try:
@@ -187,7 +190,10 @@ def confined_path(root: Path, relative: str) -> Path:
     except (OSError, RuntimeError, ValueError) as exc:
         # A symlink loop (a RuntimeError before Python 3.13), a NUL byte.
         raise CheckpointError(f"cannot resolve {relative!r} in {root}: {exc}") from None
-    if not path.is_relative_to(root):
+    blobs = root.parent.parent / "blobs"
+    if not path.is_relative_to(root) and not (
+        root.parent.name == "snapshots" and path.parent == blobs
+    ):
         raise CheckpointError(f"{relative} escapes the checkpoint root {root}")
     return path
 
