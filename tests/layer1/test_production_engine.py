@@ -268,6 +268,37 @@ def test_draft_names_upstream_aliases_load_as_their_targets(tmp_path):
     assert_drafts_as_the_reference(draft, target, "dflash")
 
 
+def test_safetensors_shards_without_an_index_are_all_read(tmp_path):
+    """A draft shipped as several ``*.safetensors`` files and no index (any
+    names), as upstream's loader reads such a directory."""
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    (draft / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, draft / "a-00001.safetensors")
+    save_file({n: tensors[n] for n in names[half:]}, draft / "b-00002.safetensors")
+    assert_drafts_as_the_reference(draft, target, "dflash")
+
+
+def test_a_tensor_in_two_unindexed_shards_is_refused_in_one_line(tmp_path, caplog):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    save_file({"fc.weight": tensors["fc.weight"]}, draft / "extra.safetensors")
+    assert re.search(
+        "Refusing to serve: fc.weight is in both extra.safetensors and "
+        "model.safetensors of .*draft",
+        refusal(caplog, draft, target),
+    )
+
+
+def test_float64_weights_are_served_cast(tmp_path):
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    tensors = load_file(str(draft / "model.safetensors"))
+    save_file({n: t.double() for n, t in tensors.items()}, draft / "model.safetensors")
+    assert_drafts_as_the_reference(draft, target, "dflash")
+
+
 def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
     return lambda tensors: tensors.__delitem__(name)
 
@@ -925,7 +956,11 @@ _DEEP_JSON = "[" * 100_000 + "]" * 100_000
         ("draft/config.json", _write("[1]"), "config.json is not a JSON object"),
         ("draft/config.json", _write("{"), "cannot read .*config.json"),
         ("draft/config.json", _write(_DEEP_JSON), "cannot read .*config.json"),
-        ("draft/model.safetensors", _remove, "cannot read .*model.safetensors"),
+        (
+            "draft/model.safetensors",
+            _remove,
+            r"draft holds neither model.safetensors.index.json nor a \*.safetensors",
+        ),
         (
             "draft/model.safetensors",
             lambda path: path.write_bytes(b"\x02" + bytes(7) + b"[]"),

@@ -58,7 +58,6 @@ from vllm.k3_draft.reference_engine import (
 logger = init_logger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_FILE = "model.safetensors"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # Bytes a torch.save file adds to its values (zip entries, pickle).
 _MASK_EMBEDDING_FILE_SLACK = 64 << 10
@@ -66,6 +65,7 @@ _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
+    "F64": torch.float64,
     "I64": torch.int64,
     "I32": torch.int32,
 }
@@ -223,6 +223,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve(strict=True)
+        self._headers: dict[Path, dict[str, Any]] = {}
         index = self.root / SAFETENSORS_INDEX
         with _reading(index):
             # stat() of a root without search permission raises.
@@ -237,12 +238,33 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{index} has no weight_map")
             files = {name: str(file) for name, file in weight_map.items()}
         else:
-            single = confined_path(self.root, SAFETENSORS_FILE)
-            files = dict.fromkeys(self._header(single), SAFETENSORS_FILE)
+            files = self._unindexed_files()
         self.files = {
             name: confined_path(self.root, file) for name, file in files.items()
         }
-        self._headers: dict[Path, dict[str, Any]] = {}
+
+    def _unindexed_files(self) -> dict[str, str]:
+        """Tensor name -> file over every ``*.safetensors`` file of a root
+        without an index, as upstream's loader reads such a directory; a name
+        in two files is refused."""
+        with _reading(self.root):
+            shards = sorted(path.name for path in self.root.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(
+                f"{self.root} holds neither {SAFETENSORS_INDEX} nor a "
+                "*.safetensors file"
+            )
+        files: dict[str, str] = {}
+        for shard in shards:
+            path = confined_path(self.root, shard)
+            self._headers[path] = self._header(path)
+            for name in self._headers[path]:
+                if name in files:
+                    raise CheckpointError(
+                        f"{name} is in both {files[name]} and {shard} of {self.root}"
+                    )
+                files[name] = shard
+        return files
 
     @staticmethod
     def _header(path: Path) -> dict[str, Any]:
