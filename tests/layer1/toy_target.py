@@ -478,6 +478,7 @@ class VerifierLoop:
             torch.cat(positions),
             num_tokens,
             prefilling,
+            np.array([r.prefill_len for r in requests], dtype=np.int32),
         )
         drafts = self.spec.propose(
             input_batch,
@@ -523,9 +524,11 @@ def make_input_batch(
     positions: torch.Tensor,
     num_tokens: int,
     is_prefilling: np.ndarray | None = None,
+    prefill_len: np.ndarray | None = None,
 ) -> InputBatch:
     """A real InputBatch (CPU tensors) with the fields propose() reads
-    (``is_prefilling``: none of the requests, unless given)."""
+    (``is_prefilling``: none of the requests, unless given; ``prefill_len``:
+    0 for each, unless given)."""
     n = len(req_ids)
     idx_mapping = torch.from_numpy(idx_mapping_np.astype(np.int64))
     query_start_loc = torch.from_numpy(query_start_loc_np.copy())
@@ -549,7 +552,9 @@ def make_input_batch(
         seq_lens_cpu_upper_bound=torch.zeros(n, dtype=torch.int32),
         dcp_local_seq_lens=None,
         num_computed_tokens_np=np.zeros(n, dtype=np.int32),
-        prefill_len_np=np.zeros(n, dtype=np.int32),
+        prefill_len_np=(
+            np.zeros(n, dtype=np.int32) if prefill_len is None else prefill_len
+        ),
         num_computed_prefill_tokens_np=np.zeros(n, dtype=np.int32),
         is_prefilling_np=(
             np.zeros(n, dtype=np.bool_) if is_prefilling is None else is_prefilling

@@ -92,6 +92,9 @@ class StepRequest:
     ``StepInputs.rows[row_offset : row_offset + num_context]``. ``decoding``:
     the request's context this step follows tokens it sampled (not a prefill
     chunk, which may belong to a new request reusing a finished one's id).
+    ``prefill_continues``: a prefill chunk that leaves prompt tokens for later
+    steps (its anchor is the next prompt token, not a sampled one), so that
+    the request's next step can only be its own next chunk.
     """
 
     request_id: str
@@ -101,6 +104,7 @@ class StepRequest:
     row_offset: int
     tokens: np.ndarray | None
     decoding: bool = False
+    prefill_continues: bool = False
 
     @property
     def anchor_position(self) -> int:
@@ -216,6 +220,10 @@ class _Retained:
     # did); a decode step right after it continues the same request, whose
     # id no new request can have taken in between.
     proposed_step: int = -1
+    # That PROPOSE was a prefill chunk that left prompt tokens to prefill: the
+    # next step of its id is its next chunk (a finished request's id, taken
+    # by a new request, starts with a prefill chunk too).
+    prefill_continues: bool = False
 
 
 class _TimingLog:
@@ -501,13 +509,15 @@ class RemotePlan:
         if request.first_position != state.end:
             return False
         if state.proposed_step == self._step - 1 and (
-            request.decoding or request.tokens is None
+            request.decoding or (request.tokens is None and state.prefill_continues)
         ):
             return True
         # Back after an absence or a step without a PROPOSE of it (the server
         # unreachable, a call before it failed: the verifier may have finished
         # the request and prefilled a new one under its id meanwhile), or a
-        # prefill chunk: its tokens may differ from those the server holds.
+        # prefill chunk: its tokens may differ from those the server holds,
+        # and without a host view only a chunk after its own earlier chunk is
+        # known to be the same request.
         return (
             state.tokens is not None
             and request.tokens is not None
@@ -733,7 +743,12 @@ class RemotePlan:
         if reset or state is None:
             log = None if tokens is None else _TokenLog(tokens[:end])
             self.retained[rid] = _Retained(
-                request.first_position, end, log, self._step, proposed_step=self._step
+                request.first_position,
+                end,
+                log,
+                self._step,
+                proposed_step=self._step,
+                prefill_continues=request.prefill_continues,
             )
             return
         if state.tokens is not None and tokens is not None:
@@ -741,3 +756,4 @@ class RemotePlan:
         state.end = end
         state.last_used = self._step
         state.proposed_step = self._step
+        state.prefill_continues = request.prefill_continues

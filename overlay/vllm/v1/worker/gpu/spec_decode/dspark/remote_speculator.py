@@ -78,7 +78,8 @@ class StagedInputs:
 
     ``facts`` is int64 ``[3, R]``: rejected rows, first position and anchor
     token per request; ``prefilling`` whether each request prefills this step
-    (the runner's ``is_prefilling_np``); ``rows`` the bf16 context rows of
+    (the runner's ``is_prefilling_np``) and ``prefill_len`` how many tokens
+    it prefills in all (``prefill_len_np``); ``rows`` the bf16 context rows of
     every scheduled token.
     """
 
@@ -86,6 +87,7 @@ class StagedInputs:
     idx_mapping: np.ndarray
     query_start_loc: np.ndarray
     prefilling: np.ndarray
+    prefill_len: np.ndarray
     facts: torch.Tensor
     rows: torch.Tensor
     event: torch.cuda.Event | None
@@ -403,6 +405,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             idx_mapping=input_batch.idx_mapping_np[:n].copy(),
             query_start_loc=input_batch.query_start_loc_np[: n + 1].copy(),
             prefilling=input_batch.is_prefilling_np[:n].copy(),
+            prefill_len=input_batch.prefill_len_np[:n].copy(),
             facts=host_facts,
             rows=host_rows,
             event=event,
@@ -419,6 +422,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
         starts = staged.query_start_loc
         num_context = np.diff(starts) - rejected
         table = self._token_table
+        anchor_positions = first_positions + num_context
         requests = [
             StepRequest(
                 request_id=rid,
@@ -428,6 +432,9 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
                 row_offset=int(starts[i]),
                 tokens=None if table is None else table[staged.idx_mapping[i]],
                 decoding=not staged.prefilling[i],
+                prefill_continues=bool(
+                    staged.prefilling[i] and anchor_positions[i] < staged.prefill_len[i]
+                ),
             )
             for i, rid in enumerate(staged.request_ids)
         ]
