@@ -281,6 +281,18 @@ def test_safetensors_shards_without_an_index_are_all_read(tmp_path):
     assert_drafts_as_the_reference(draft, target, "dflash")
 
 
+def test_hidden_safetensors_files_without_an_index_are_ignored_as_upstream(
+    tmp_path,
+):
+    """The ``._model.safetensors`` AppleDouble companion that a copy or tar
+    from macOS leaves beside each file: upstream's ``glob.glob`` skips hidden
+    files, so the draft is served from ``model.safetensors`` alone."""
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    apple_double = bytes.fromhex("0005160700020000") + b"Mac OS X        "
+    (draft / "._model.safetensors").write_bytes(apple_double + bytes(64))
+    assert_drafts_as_the_reference(draft, target, "dflash")
+
+
 def test_a_tensor_in_two_unindexed_shards_is_refused_in_one_line(tmp_path, caplog):
     draft, target = write_checkpoints(tmp_path, "dflash")
     tensors = load_file(str(draft / "model.safetensors"))

@@ -245,10 +245,15 @@ class SafetensorsCheckpoint:
 
     def _unindexed_files(self) -> dict[str, str]:
         """Tensor name -> file over every ``*.safetensors`` file of a root
-        without an index, as upstream's loader reads such a directory; a name
-        in two files is refused."""
+        without an index, as upstream's loader reads such a directory (its
+        ``glob.glob`` skips hidden files, e.g. the ``._*`` companions a copy
+        from macOS leaves); a name in two files is refused."""
         with _reading(self.root):
-            shards = sorted(path.name for path in self.root.glob("*.safetensors"))
+            shards = sorted(
+                path.name
+                for path in self.root.glob("*.safetensors")
+                if not path.name.startswith(".")
+            )
         if not shards:
             raise CheckpointError(
                 f"{self.root} holds neither {SAFETENSORS_INDEX} nor a "
