@@ -781,6 +781,24 @@ def test_checkpoints_in_the_huggingface_hub_cache_are_served(tmp_path, method):
     assert_drafts_as_the_reference(draft, target, method)
 
 
+def test_checkpoints_in_a_subfolder_of_a_huggingface_hub_snapshot_are_served(
+    tmp_path,
+):
+    """A repository that keeps the checkpoint in a folder of its own
+    (``<repo>/snapshots/<rev>/draft``): its files link to the repository's
+    blobs as well."""
+    draft, target = write_checkpoints(tmp_path, "dflash")
+    hub = tmp_path / "hub"
+    snapshot = as_hub_snapshot(draft, hub / "models--org--drafts")
+    nested = snapshot / "dflash"
+    nested.mkdir()
+    for link in list(snapshot.iterdir()):
+        if link.is_symlink():
+            (nested / link.name).symlink_to(Path("..", os.readlink(link)))
+            link.unlink()
+    assert_drafts_as_the_reference(nested, target, "dflash")
+
+
 def test_a_hub_snapshot_file_linked_outside_its_repository_blobs_is_refused(
     tmp_path,
 ):

@@ -182,7 +182,8 @@ def confined_path(root: Path, relative: str) -> Path:
     """``root / relative`` resolved (symlinks followed); it must stay under
     ``root``, or, where ``root`` is a snapshot of huggingface_hub's cache
     (``<repo>/snapshots/<revision>``, whose files link to
-    ``<repo>/blobs/<hash>``), be a blob of that repository."""
+    ``<repo>/blobs/<hash>``) or a folder in one, be a blob of that
+    repository."""
     if os.path.isabs(relative):
         raise CheckpointError(f"{relative} is an absolute path")
     try:
@@ -190,12 +191,19 @@ def confined_path(root: Path, relative: str) -> Path:
     except (OSError, RuntimeError, ValueError) as exc:
         # A symlink loop (a RuntimeError before Python 3.13), a NUL byte.
         raise CheckpointError(f"cannot resolve {relative!r} in {root}: {exc}") from None
-    blobs = root.parent.parent / "blobs"
-    if not path.is_relative_to(root) and not (
-        root.parent.name == "snapshots" and path.parent == blobs
-    ):
+    if not path.is_relative_to(root) and path.parent not in _hub_blobs(root):
         raise CheckpointError(f"{relative} escapes the checkpoint root {root}")
     return path
+
+
+def _hub_blobs(root: Path) -> tuple[Path, ...]:
+    """``<repo>/blobs`` where ``root`` is a snapshot of huggingface_hub's
+    cache or a folder in one (a checkpoint in a subfolder of its repository,
+    whose files link to the repository's blobs too)."""
+    for snapshot in (root, *root.parents):
+        if snapshot.parent.name == "snapshots":
+            return (snapshot.parent.parent / "blobs",)
+    return ()
 
 
 @contextlib.contextmanager
