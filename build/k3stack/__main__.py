@@ -2,8 +2,6 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Command line of the stack tooling; the nox sessions call it."""
 
-from __future__ import annotations
-
 import sys
 
 if sys.version_info < (3, 11):
