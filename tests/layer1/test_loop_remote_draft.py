@@ -132,17 +132,24 @@ def test_prefix_hit_reconnects_from_a_retained_prefix(
     assert loop.stats.drafted > 0
 
 
+@pytest.mark.parametrize("host_view", [True, False], ids=["host-view", "no-host-view"])
+@pytest.mark.parametrize("old_max_tokens", [30, 1], ids=["decoded", "prefilled"])
 def test_reused_request_id_is_not_continued_from_the_finished_request(
-    draft_server, make_speculator, oracle
+    draft_server, make_speculator, oracle, host_view, old_max_tokens
 ):
     """A new request that takes a finished one's id in the very next step,
     with a prefix-cache hit at the old request's end but other tokens, is
-    not drafted from the old request's draft KV (the loop checks every
-    draft against the context it was asked for)."""
+    not drafted from the old request's draft KV, with or without a host view
+    of the token table (without one there are no tokens to compare), whether
+    the old one finished while decoding or with the token its last prefill
+    chunk sampled (the loop checks every draft against the context it was
+    asked for)."""
     speculator, table = make_speculator(draft_server.address)
+    if not host_view:
+        speculator._token_table = None
     target = ToyTarget(oracle)
     loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
-    loop.add("a", _prompt(1, 20), max_tokens=30)
+    loop.add("a", _prompt(1, 20), max_tokens=old_max_tokens)
     while not loop.requests["a"].done:
         loop.step(["a"])
     end = speculator.plan.retained["a"].end
@@ -343,32 +350,6 @@ def test_reused_id_prefilled_while_offline_is_not_continued_from_the_finished_re
     assert loop.stats.drafted > drafted
     finished = _run_to_completion(loop)
     assert finished["a"] == target.generate(prompt, 8)
-
-
-@pytest.mark.parametrize("old_max_tokens", [30, 1], ids=["decoded", "prefilled"])
-def test_reused_id_without_a_host_view_is_not_continued_from_the_finished_request(
-    draft_server, make_speculator, oracle, old_max_tokens
-):
-    """Without a host view of the token table (no tokens to compare), a new
-    request that takes a finished one's id in the very next step, with a
-    prefix-cache hit at the old request's end, is not drafted from the old
-    request's draft KV, whether the old one finished while decoding or with
-    the token its last prefill chunk sampled (the loop checks every draft
-    against the context it was asked for)."""
-    speculator, table = make_speculator(draft_server.address)
-    speculator._token_table = None
-    target = ToyTarget(oracle)
-    loop = VerifierLoop(speculator, target, table, max_num_reqs=8, k=K)
-    loop.add("a", _prompt(1, 20), max_tokens=old_max_tokens)
-    while not loop.requests["a"].done:
-        loop.step(["a"])
-    end = speculator.plan.retained["a"].end
-    loop.remove("a")
-    prompt = _prompt(2, end + 10)
-    loop.add("a", prompt, max_tokens=8, computed=end)
-    finished = _run_to_completion(loop)
-    assert finished["a"] == target.generate(prompt, 8)
-    assert loop.stats.drafted > 0
 
 
 def test_chunked_prefill_without_a_host_view_continues_chunk_to_chunk(
