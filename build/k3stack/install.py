@@ -80,7 +80,7 @@ def install(payload: Path, site: Path) -> None:
         )
     check_payload(payload, lock)
     record = (payload / "site" / spec["dist_info"] / "RECORD").read_text()
-    kept = _kept_rows(site, (old_dist, new_dist), record, spec["removed"])
+    kept = _kept_rows(site, (old_dist, new_dist), _rows(record), spec["removed"])
     for rel in spec["files"]:
         if rel.startswith(spec["dist_info"] + "/"):
             continue
@@ -106,23 +106,25 @@ def install(payload: Path, site: Path) -> None:
 
 
 def _kept_rows(
-    site: Path, dist_infos: tuple[Path, ...], record: str, removed: list[str]
+    site: Path,
+    dist_infos: tuple[Path, ...],
+    payload_rows: list[list[str]],
+    removed: list[str],
 ) -> list[list[str]]:
     """The rows of the installed RECORD (``dist_infos``: the upstream's, or
-    the stack's of an earlier install) that the payload's RECORD (``record``)
-    lacks and whose files stay: what the installer that installed upstream
-    wrote itself, such as the console script ``bin/vllm``. They are appended
-    to the new RECORD, hashes and all, so that uninstalling vllm removes
-    them too."""
-    rows = [row for row in csv.reader(io.StringIO(record)) if row]
-    listed = {row[0] for row in rows}
-    owned = _owned(rows) | {d.name for d in dist_infos}
+    the stack's of an earlier install) that the payload's RECORD rows lack
+    and whose files stay: what the installer that installed upstream wrote
+    itself, such as the console script ``bin/vllm``. They are appended to
+    the new RECORD, hashes and all, so that uninstalling vllm removes them
+    too."""
+    listed, owned = _listed_and_owned(payload_rows)
+    owned |= {d.name for d in dist_infos}
     kept: dict[str, list[str]] = {}
     for dist in dist_infos:
         path = dist / "RECORD"
         if not path.is_file():
             continue
-        for row in csv.reader(io.StringIO(path.read_text())):
+        for row in _rows(path.read_text()):
             if (
                 len(row) == 3
                 and row[0] not in removed
@@ -133,9 +135,16 @@ def _kept_rows(
     return list(kept.values())
 
 
-def _owned(rows: list[list[str]]) -> set[str]:
-    """The top folders of a RECORD's rows: the package and the dist-info."""
-    return {row[0].split("/", 1)[0] for row in rows}
+def _rows(record: str) -> list[list[str]]:
+    """The non-empty rows of a RECORD's text."""
+    return [row for row in csv.reader(io.StringIO(record)) if row]
+
+
+def _listed_and_owned(rows: list[list[str]]) -> tuple[set[str], set[str]]:
+    """A RECORD's paths, and their top folders (the package and the
+    dist-info)."""
+    listed = {row[0] for row in rows}
+    return listed, {rel.split("/", 1)[0] for rel in listed}
 
 
 def _installer_row(rel: str, listed: set[str], owned: set[str]) -> bool:
@@ -148,25 +157,26 @@ def _installer_row(rel: str, listed: set[str], owned: set[str]) -> bool:
     return norm.split("/", 1)[0] not in owned or _bytecode_cache(Path(norm))
 
 
-def _added_rows(installed: Path, record: Path) -> list[list[str]] | None:
-    """The rows ``install`` appended to the payload's ``record`` in the
+def _added_rows(installed: Path, record: str) -> list[list[str]] | None:
+    """The rows ``install`` appended to the payload's ``record`` text in the
     ``installed`` RECORD, or None when that does not begin with it."""
-    text, ours = installed.read_text(), record.read_text()
-    if text == ours:
+    text = installed.read_text()
+    if text == record:
         return []
-    ours = ours if ours.endswith("\n") else ours + "\n"
+    ours = record if record.endswith("\n") else record + "\n"
     if not text.startswith(ours):
         return None
-    return [row for row in csv.reader(io.StringIO(text[len(ours) :])) if row]
+    return _rows(text[len(ours) :])
 
 
-def _only_installer_rows(added: list[list[str]] | None, record: Path) -> bool:
-    """Whether what ``install`` appended to ``record`` is only installer
-    rows (``_installer_row``) of the upstream install."""
+def _only_installer_rows(
+    added: list[list[str]] | None, payload_rows: list[list[str]]
+) -> bool:
+    """Whether what ``install`` appended to the payload's RECORD is only
+    installer rows (``_installer_row``) of the upstream install."""
     if added is None:
         return False
-    rows = [row for row in csv.reader(io.StringIO(record.read_text())) if row]
-    listed, owned = {row[0] for row in rows}, _owned(rows)
+    listed, owned = _listed_and_owned(payload_rows)
     return all(
         len(row) == 3 and row[0] and _installer_row(row[0], listed, owned)
         for row in added
@@ -192,13 +202,12 @@ def verify(payload: Path, site: Path) -> list[str]:
     lock = json.loads((payload / "stack.lock.json").read_text())
     spec = lock["payload"]
     check_payload(payload, lock)
-    record = payload / "site" / spec["dist_info"] / "RECORD"
+    record = (payload / "site" / spec["dist_info"] / "RECORD").read_text()
+    payload_rows = _rows(record)
     record_rel = f"{spec['dist_info']}/RECORD"
     problems = []
     listed = set()
-    for row in csv.reader(io.StringIO(record.read_text())):
-        if not row:
-            continue
+    for row in payload_rows:
         rel, digest, size = row
         if rel.startswith("../"):
             continue
@@ -207,7 +216,7 @@ def verify(payload: Path, site: Path) -> list[str]:
         if not path.is_file():
             problems.append(f"{rel}: missing")
         elif rel == record_rel:
-            if not _only_installer_rows(_added_rows(path, record), record):
+            if not _only_installer_rows(_added_rows(path, record), payload_rows):
                 problems.append(f"{rel}: content differs from the lock")
         elif not digest:
             if rel in spec["files"] and _sha256(path) != spec["files"][rel]:

@@ -92,9 +92,8 @@ class StepRequest:
     ``StepInputs.rows[row_offset : row_offset + num_context]``. ``decoding``:
     the request's context this step follows tokens it sampled (not a prefill
     chunk, which may belong to a new request reusing a finished one's id).
-    ``prefill_continues``: a prefill chunk that leaves prompt tokens for later
-    steps (its anchor is the next prompt token, not a sampled one), so that
-    the request's next step can only be its own next chunk.
+    ``prefill_len``: the tokens the runner prefills for the request in all
+    (its ``prefill_len``).
     """
 
     request_id: str
@@ -104,11 +103,18 @@ class StepRequest:
     row_offset: int
     tokens: np.ndarray | None
     decoding: bool = False
-    prefill_continues: bool = False
+    prefill_len: int = 0
 
     @property
     def anchor_position(self) -> int:
         return self.first_position + self.num_context
+
+    @property
+    def prefill_continues(self) -> bool:
+        """A prefill chunk that leaves prompt tokens for later steps (its
+        anchor is the next prompt token, not a sampled one): the request's
+        next step can only be its own next chunk."""
+        return not self.decoding and self.anchor_position < self.prefill_len
 
 
 @dataclass(frozen=True)

@@ -247,9 +247,12 @@ class SafetensorsCheckpoint:
             files = {name: str(file) for name, file in weight_map.items()}
         else:
             files = self._unindexed_files()
-        self.files = {
-            name: confined_path(self.root, file) for name, file in files.items()
+        # Each file resolved once (an index names thousands of tensors).
+        paths = {
+            file: confined_path(self.root, file)
+            for file in dict.fromkeys(files.values())
         }
+        self.files = {name: paths[file] for name, file in files.items()}
 
     def _unindexed_files(self) -> dict[str, str]:
         """Tensor name -> file over every ``*.safetensors`` file of a root
@@ -352,8 +355,9 @@ class SafetensorsCheckpoint:
         dtype = _SAFETENSORS_DTYPES.get(stored) if isinstance(stored, str) else None
         if dtype is None:
             raise CheckpointError(f"{name}: unsupported dtype {stored}")
+        # ``_header`` checked the offsets: two ints, in order, within the file.
+        begin, end = entry["data_offsets"]
         try:
-            begin, end = (int(offset) for offset in entry["data_offsets"])
             shape = tuple(int(size) for size in entry["shape"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{name}: malformed entry in {path}") from None
@@ -362,7 +366,7 @@ class SafetensorsCheckpoint:
         if any(size >= 1 << 63 for size in shape):
             # Beyond torch's sizes (an empty tensor has no bytes to check).
             raise CheckpointError(f"{name}: shape {list(shape)} in {path} is too large")
-        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+        if end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{name}: byte range does not match its shape")
         with _reading(path), open(path, "rb") as f:
             f.seek(entry["data_start"] + begin)

@@ -422,7 +422,6 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
         starts = staged.query_start_loc
         num_context = np.diff(starts) - rejected
         table = self._token_table
-        anchor_positions = first_positions + num_context
         requests = [
             StepRequest(
                 request_id=rid,
@@ -432,9 +431,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
                 row_offset=int(starts[i]),
                 tokens=None if table is None else table[staged.idx_mapping[i]],
                 decoding=not staged.prefilling[i],
-                prefill_continues=bool(
-                    staged.prefilling[i] and anchor_positions[i] < staged.prefill_len[i]
-                ),
+                prefill_len=int(staged.prefill_len[i]),
             )
             for i, rid in enumerate(staged.request_ids)
         ]
