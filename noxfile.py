@@ -21,6 +21,8 @@ TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
 LINT_PATHS = ["overlay", "build", "tests", "bench", "ci", "noxfile.py"]
 
 nox.options.sessions = ["apply", "build"]
+# `nox -s apply build` must not build after a failed apply.
+nox.options.stop_on_first_error = True
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 

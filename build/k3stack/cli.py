@@ -199,4 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     except StackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C is the operator's choice, not a failure of ours: one line.
+        print(f"error: {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0

@@ -1174,3 +1174,20 @@ def test_build_refuses_a_tree_with_uncommitted_edits_before_fetching(
     assert cli.main(argv) == 1
     assert "has uncommitted edits" in capsys.readouterr().err
     assert (filled.tree / "vllm/envs.py").read_text() == "edited\n"
+
+
+def test_an_interrupted_command_says_so_in_one_line_and_exits_130(
+    synthetic: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from k3stack import cli
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "ROOT", synthetic.root)
+    monkeypatch.setattr(cli, "load_pin", lambda: synthetic.pin)
+    monkeypatch.setattr(cli, "fetch", interrupted)
+    assert cli.main(["apply", "--tree", str(synthetic.tree)]) == 130
+    assert capsys.readouterr().err == "error: apply: interrupted\n"
