@@ -44,6 +44,7 @@ from vllm.k3_draft.plan import Proposal
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
     FILL,
     RemoteDraftLogits,
+    bind_sampling_states,
 )
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     PublishContext,
@@ -273,6 +274,53 @@ def test_slots_past_the_steps_draft_width_keep_no_draft_and_their_row(
     assert not any(state.stale for state in retained.values())
     assert (drafts == -1).all()
     assert _untouched(speculator.draft_logits, range(8))
+
+
+# ------------------------------------------------------------ greedy steps
+
+
+def _bind_temperatures(speculator: Any, temperature: tuple[float, float]) -> None:
+    """The runner's hook: its host temperatures by request-state row."""
+    host = np.zeros(8, dtype=np.float32)
+    host[list(ROWS)] = temperature
+    bind_sampling_states(
+        speculator, SimpleNamespace(temperature=SimpleNamespace(np=host))
+    )
+
+
+def test_an_all_greedy_step_asks_for_no_logits_and_keeps_the_servers_drafts(
+    make_speculator, probabilistic, scripted_server
+):
+    scripted_server.pong["capabilities"].append(CAPABILITY_FULL)
+    speculator, _ = make_speculator(scripted_server.address, probabilistic)
+    _bind_temperatures(speculator, (0.0, 0.0))
+    drafts = _step(speculator, temperature=(0.0, 0.0))
+    propose = scripted_server.log[-1][1]
+    assert "return_logits" not in propose and "logits_topk" not in propose
+    # The scripted server drafts 5 everywhere.
+    assert (drafts == 5).all()
+    assert _untouched(speculator.draft_logits, range(8))
+    assert not any(state.stale for state in speculator.plan.retained.values())
+
+
+@pytest.mark.parametrize("temperature", [(0.0, 0.8), (0.5, 0.5)])
+def test_a_step_with_a_sampling_request_asks_for_the_logits(
+    make_speculator, probabilistic, scripted_server, reference_gumbel, temperature
+):
+    scripted_server.pong["capabilities"].append(CAPABILITY_FULL)
+    speculator, _ = make_speculator(scripted_server.address, probabilistic)
+    _bind_temperatures(speculator, temperature)
+    _step(speculator, temperature=temperature)
+    assert scripted_server.log[-1][1]["return_logits"] is True
+
+
+def test_without_the_runners_temperatures_a_greedy_step_asks_for_the_logits(
+    make_speculator, probabilistic, scripted_server, reference_gumbel
+):
+    scripted_server.pong["capabilities"].append(CAPABILITY_FULL)
+    speculator, _ = make_speculator(scripted_server.address, probabilistic)
+    _step(speculator, temperature=(0.0, 0.0))
+    assert scripted_server.log[-1][1]["return_logits"] is True
 
 
 # ------------------------------------------------------------- fail closed

@@ -111,11 +111,12 @@ class RecordingHandler:
 
 
 class FakeSampler(Inert):
-    """The sampling state ``sample_tokens`` hands to ``propose``."""
+    """The sampling state ``sample_tokens`` hands to ``propose``; the host
+    temperatures (``np``) share the CPU tensor's memory (a copy on CUDA)."""
 
     def __init__(self, temperature: torch.Tensor, seeds: torch.Tensor) -> None:
         self.sampling_states = SimpleNamespace(
-            temperature=SimpleNamespace(gpu=temperature),
+            temperature=SimpleNamespace(gpu=temperature, np=temperature.cpu().numpy()),
             seeds=SimpleNamespace(gpu=seeds),
         )
 

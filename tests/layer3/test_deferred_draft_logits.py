@@ -30,6 +30,7 @@ import torch
 from k3_l3_runner import sample_tokens, scheduler_output
 from k3_l3_steps import (
     SLOTS,
+    TEMPERATURES,
     K,
     last_sampled,
     propose,
@@ -51,6 +52,7 @@ from vllm.v1.worker.gpu.spec_decode.dspark import remote_draft_logits
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
     FILL,
     RemoteDraftLogits,
+    bind_sampling_states,
 )
 
 pytest_plugins = ("conftest_client",)
@@ -214,6 +216,46 @@ def test_deferred_and_immediate_give_identical_drafts_and_logits_cache(
         assert torch.equal(runner.req_states.draft_tokens.data[SLOTS], want)
         assert torch.equal(ext_d.draft_logits, ext_i.draft_logits)
     assert not (ext_d.draft_logits[SLOTS] == FILL).all()
+
+
+def test_all_greedy_steps_deferred_keep_the_servers_drafts_as_immediate_ones(
+    make_speculator,
+    make_runner,
+    probabilistic,
+    reference_server,
+    second_reference_server,
+    monkeypatch,
+):
+    """Sampling and all-greedy steps alternate (the runner's temperatures
+    change in place); both verifiers are bound to them as the runner's hook
+    binds. A greedy step publishes no logits: the server's drafts stand and
+    the cache keeps the last sampling step's rows."""
+    immediate, _ = make_speculator(reference_server.address, probabilistic)
+    deferred_spec, _ = make_speculator(second_reference_server.address, probabilistic)
+    strategy = _deferred(deferred_spec, outstanding=True)
+    runner = _runner(make_runner, deferred_spec)
+    states = runner.sampler.sampling_states
+    bind_sampling_states(immediate, states)
+    bind_sampling_states(deferred_spec, states)
+    ext_i, ext_d = _extension(immediate), _extension(deferred_spec)
+    published = _record_publish(ext_d, monkeypatch)
+    for step in range(4):
+        greedy = step % 2 == 1
+        states.temperature.np[SLOTS] = 0.0 if greedy else TEMPERATURES
+        cache = ext_d.draft_logits.clone()
+        start = 10 + (K + 1) * step
+        temperature = torch.from_numpy(states.temperature.np)
+        want = propose(immediate, step_batch(["i0", "i1"], start), step, temperature)
+        want = want.clone()
+        _sample_tokens(runner, step_batch(["d0", "d1"], start), step)
+        assert strategy.pending
+        runner.execute_model(scheduler_output(set(), []))
+        assert (want >= 0).all(), "the reference server drafted nothing"
+        assert torch.equal(runner.req_states.draft_tokens.data[SLOTS], want)
+        assert torch.equal(ext_d.draft_logits, ext_i.draft_logits)
+        assert len(published) == step // 2 + 1
+        if greedy:
+            assert torch.equal(ext_d.draft_logits, cache)
 
 
 # ------------------------------------------------------------ failure

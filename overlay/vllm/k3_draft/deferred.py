@@ -15,9 +15,10 @@ in the same order, behind the gate:
 
 1. the copy of the draft tokens from staging (rank 0);
 2. their TP broadcast from rank 0;
-3. each extension's ``publish`` in registration order (layer 2: copy of its
-   staging, broadcasts, top-k scatter, masked Gumbel sampling that rewrites
-   the draft tokens and the draft-logits cache);
+3. the ``publish`` of each extension the step asks for, in registration
+   order (layer 2: copy of its staging, broadcasts, top-k scatter, masked
+   Gumbel sampling that rewrites the draft tokens and the draft-logits
+   cache);
 4. the runner's store of the draft tokens into the request state, the input
    ids and their output copy.
 
@@ -366,6 +367,8 @@ class DeferredResolution(ImmediateResolution):
         self.speculator.tp_group.broadcast(drafts, src=0)
         context = PublishContext(step, drafts)
         for extension, handle in zip(self.speculator.extensions, self._staging):
+            if extension not in step.extensions:
+                continue
             payload = None
             if slot is not None:
                 if slot.reply.delivered:

@@ -121,11 +121,13 @@ class StepRequest:
 class StepInputs:
     """A verifier step: its requests in batch order, the number of draft
     tokens wanted per request (0 keeps the server in sync without drafts) and
-    the host context rows (bf16 ``[rows, width]``)."""
+    the host context rows (bf16 ``[rows, width]``); ``extensions``: those
+    of the plan's extensions that this step asks for (None: all of them)."""
 
     requests: Sequence[StepRequest]
     num_speculative_tokens: int
     rows: torch.Tensor
+    extensions: Sequence[ProposeExtension] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,12 @@ class ProposeExtension(abc.ABC):
     handshake refuses the server."""
 
     capability: str
+
+    def wanted(self, input_batch: Any) -> bool:
+        """Every TP rank, when the step is proposed: whether this step asks
+        for the capability (the same answer on every rank). A step that does
+        not ask neither consumes nor publishes it. Default: every step."""
+        return True
 
     @abc.abstractmethod
     def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
@@ -684,8 +692,9 @@ class RemotePlan:
             anchor_positions=np.array([r.anchor_position for r in requests]),
             num_speculative_tokens=k,
         )
+        extensions = self.extensions if step.extensions is None else step.extensions
         fields: dict[str, Any] = {}
-        for extension in self.extensions:
+        for extension in extensions:
             fields.update(extension.request_fields(k))
         wire = [
             (
@@ -704,7 +713,7 @@ class RemotePlan:
             header, reply_frames = self.client.call_encoded(OP_PROPOSE, request, frames)
             round_trip_ms = (time.perf_counter() - sent) * 1e3
             tokens = parse_tokens(header, len(requests), k, self.needs.vocab_size)
-            payloads = self._consume(header, reply_frames, proposal)
+            payloads = self._consume(header, reply_frames, proposal, extensions)
         except BaseException as exc:
             # The server may hold the requests whatever failed here (an
             # extension's bug too, which a deferred reply thread only logs):
@@ -725,16 +734,20 @@ class RemotePlan:
         result.payloads = payloads
 
     def _consume(
-        self, header: dict[str, Any], frames: list[Any], proposal: Proposal
+        self,
+        header: dict[str, Any],
+        frames: list[Any],
+        proposal: Proposal,
+        extensions: Sequence[ProposeExtension],
     ) -> dict[str, Any]:
         replies = extension_frames(header, frames)
-        wanted = {extension.capability for extension in self.extensions}
+        wanted = {extension.capability for extension in extensions}
         if replies.keys() != wanted:
             raise ProtocolError(
                 f"reply extensions {sorted(replies)} do not answer {sorted(wanted)}"
             )
         payloads = {}
-        for extension in self.extensions:
+        for extension in extensions:
             metadata, frames = replies[extension.capability]
             payloads[extension.capability] = extension.consume(
                 metadata, frames, proposal

@@ -31,6 +31,11 @@ bf16 ``[max_num_reqs, K, V]``):
   point mass at its most likely token (a grammar-refused draft is resampled
   from the target's distribution upstream, which is exact only then).
 
+A step whose requests are all greedy (temperature 0) does not ask for the
+logits (``wanted``), once the runner bound its temperatures
+(``bind_sampling_states``): rejection reads no draft logits for a greedy
+request, so the server's own draft tokens stand and no cache row changes.
+
 Deferred resolution (a higher layer) publishes a slot before its reply
 arrives; ``deferral_safe``, ``prepare_staging``, ``select_staging``,
 ``staged_payload`` and ``clear_staging`` let it free, choose, read and empty
@@ -45,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from vllm import envs
@@ -55,6 +61,8 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
 if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.sample.states import SamplingStates
     from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
         PublishContext,
         RemoteK3DSparkSpeculator,
@@ -154,6 +162,8 @@ class RemoteDraftLogits(ProposeExtension):
             max_num_reqs
         )
         self._cuda = device.type == "cuda"
+        # The runner's host temperatures by request state (bind_temperatures).
+        self._temperature: np.ndarray | None = None
         self._staging: list[_Staging] = []
         self._next = 0
         # The next consume fills a prepared slot (select_staging).
@@ -174,6 +184,20 @@ class RemoteDraftLogits(ProposeExtension):
                 )
                 for _ in range(num_staging_slots)
             ]
+
+    def bind_temperatures(self, temperature: np.ndarray) -> None:
+        """Every rank: the runner's host temperatures by request state index
+        (``SamplingStates.temperature.np``, written before a request's first
+        step), which ``wanted`` reads."""
+        self._temperature = temperature
+
+    def wanted(self, input_batch: InputBatch) -> bool:
+        """False when every request of the step is greedy (needs
+        ``bind_temperatures``; until then every step asks)."""
+        if self._temperature is None:
+            return True
+        idx = input_batch.idx_mapping_np[: input_batch.num_reqs]
+        return bool(np.any(self._temperature[idx] != 0.0))
 
     def request_fields(self, num_speculative_tokens: int) -> dict[str, Any]:
         return self.format.request_fields()
@@ -287,6 +311,15 @@ class RemoteDraftLogits(ProposeExtension):
             use_fp64=self.use_fp64,
         )
         context.draft_tokens.copy_(torch.where(valid, sampled.view(n, k), NO_DRAFT))
+
+
+def bind_sampling_states(speculator: object, sampling_states: SamplingStates) -> None:
+    """Runner, once its sampler exists: bind a remote speculator's
+    draft-logits extension to the sampler's temperatures (``wanted``); any
+    other speculator is left alone."""
+    for extension in getattr(speculator, "extensions", ()):
+        if isinstance(extension, RemoteDraftLogits):
+            extension.bind_temperatures(sampling_states.temperature.np)
 
 
 def make_remote_draft_logits(

@@ -17,8 +17,8 @@ the middle one off the critical path:
 * ``exchange`` (rank 0, host only, thread-safe with respect to the model
   runner): waits for those copies and runs the RPCs;
 * ``publish`` (every rank, same order): scatters the tokens into the draft
-  table, broadcasts them from rank 0 and lets each ``ProposeExtension``
-  publish its payload.
+  table, broadcasts them from rank 0 and lets each ``ProposeExtension`` the
+  step asks for (``ProposeExtension.wanted``) publish its payload.
 
 Extension points for higher layers: ``resolution`` (a ``ResolutionStrategy``;
 ``ImmediateResolution`` runs the three stages in ``propose``) and the
@@ -95,7 +95,8 @@ class StagedInputs:
 
 @dataclass
 class RemoteStep:
-    """One ``propose`` call as every rank sees it; ``staged`` on rank 0 only."""
+    """One ``propose`` call as every rank sees it; ``staged`` on rank 0 only;
+    ``extensions``: the speculator's extensions this step asks for."""
 
     input_batch: InputBatch
     num_reqs: int
@@ -103,6 +104,7 @@ class RemoteStep:
     temperature: torch.Tensor
     seeds: torch.Tensor
     staged: StagedInputs | None
+    extensions: tuple[ProposeExtension, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             temperature=temperature,
             seeds=seeds,
             staged=None,
+            extensions=tuple(e for e in self.extensions if e.wanted(input_batch)),
         )
         if self.plan is not None:
             step.staged = self.stage(
@@ -436,7 +439,9 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             for i, rid in enumerate(staged.request_ids)
         ]
         return self.plan.run(
-            StepInputs(requests, step.num_speculative_tokens, staged.rows)
+            StepInputs(
+                requests, step.num_speculative_tokens, staged.rows, step.extensions
+            )
         )
 
     def publish(self, step: RemoteStep, result: StepResult | None) -> torch.Tensor:
@@ -448,7 +453,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             drafts[:, :width].copy_(torch.from_numpy(result.tokens))
         self.tp_group.broadcast(drafts, src=0)
         context = PublishContext(step, drafts)
-        for extension in self.extensions:
-            payloads = {} if result is None else result.payloads
+        payloads = {} if result is None else result.payloads
+        for extension in step.extensions:
             extension.publish(payloads.get(extension.capability), context)
         return drafts
