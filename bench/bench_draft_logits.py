@@ -6,7 +6,8 @@ Transport: a draft server process on loopback TCP (layer 1's server and
 ZeroMQ transport around the synthetic ``TableEngine`` of
 ``tests/layer2/k3_l2_engines.py``, whose bf16 logits have the Kimi vocabulary,
 V = 163,840) answers steady-state PROPOSEs of ``batch`` requests, K = 3, that
-ask for the full-vocabulary logits or their top-k slices (k in 16, 64, 256);
+ask for the full-vocabulary logits or their top-k slices (k in 16, 64, 256),
+or for none (``greedy``: a step whose requests are all greedy);
 the cases are interleaved, request by request, each sending its header as
 the verifier does (``encode_propose_request``; the round trip's clock starts
 where ``plan.py``'s does) and each served from the table engine's kept
@@ -116,13 +117,14 @@ def start_server(
 
 
 class Case:
-    """Steady-state PROPOSEs of ``batch`` requests asking for ``fmt``."""
+    """Steady-state PROPOSEs of ``batch`` requests asking for ``fmt`` (for no
+    logits when ``topk`` is None)."""
 
     def __init__(
         self,
         client: DraftClient,
         batch: int,
-        topk: int,
+        topk: int | None,
         consume: bool,
         context_rows: int = 0,
         context_width: int = 8,
@@ -135,11 +137,14 @@ class Case:
         self.checked = False
         self.context_rows = context_rows
         self.batch = batch
-        self.fmt = LogitsFormat(VOCAB, topk)
-        self.fields = self.fmt.request_fields()
-        self.name = f"b{batch} " + (f"top-{topk}" if topk else "full")
+        self.greedy = topk is None
+        self.fmt = LogitsFormat(VOCAB, topk or 0)
+        self.fields = {} if self.greedy else self.fmt.request_fields()
+        self.name = f"b{batch} " + (
+            "greedy" if topk is None else f"top-{topk}" if topk else "full"
+        )
         self.extension = None
-        if consume:
+        if consume and not self.greedy:
             from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
                 RemoteDraftLogits,
             )
@@ -196,7 +201,13 @@ class Case:
         start = time.perf_counter()
         header, frames = self._propose(steady)
         received = time.perf_counter()
-        ((meta, logits_frames),) = protocol.extension_frames(header, frames).values()
+        replies = protocol.extension_frames(header, frames)
+        if self.greedy:
+            if replies:
+                raise RuntimeError(f"{self.name}: logits came unasked")
+            self._record(record, header, frames, received - start)
+            return
+        ((meta, logits_frames),) = replies.values()
         if self.extension is not None:
             self.extension.consume(meta, logits_frames, self.proposal)
         consumed = time.perf_counter()
@@ -214,19 +225,26 @@ class Case:
         if not record:
             return
         self.samples["validate"].append(validated - consumed)
+        if self.extension is not None:
+            self.samples["consume"].append(consumed - received)
+        self._record(record, header, frames, received - start)
+
+    def _record(
+        self, record: bool, header: dict[str, Any], frames: list[Any], rtt: float
+    ) -> None:
+        if not record:
+            return
         timing = header["timing_ms"]
         reply_bytes = len(protocol.encode_header(header)) + sum(
             len(memoryview(f)) for f in frames
         )
         for key, value in (
-            ("rtt", received - start),
+            ("rtt", rtt),
             ("server", timing["total"] / 1e3),
             ("engine", sum(timing[k] for k in ENGINE_TIMINGS) / 1e3),
             ("bytes", reply_bytes),
         ):
             self.samples[key].append(value)
-        if self.extension is not None:
-            self.samples["consume"].append(consumed - received)
 
     def _check(self, decoded: Any) -> None:
         ref = self.reference
@@ -258,14 +276,14 @@ class Case:
         return {
             "case": self.name,
             "batch": self.batch,
-            "topk": self.fmt.topk,
+            "topk": None if self.greedy else self.fmt.topk,
             "reply_bytes": int(np.median(s["bytes"])),
             "rtt_us": us(s["rtt"]),
             "server_us": us(s["server"]),
             "engine_us": us(s["engine"]),
             "transport_us": us(transport),
             "consume_us": us(s["consume"]) if s["consume"] else None,
-            "validate_us": us(s["validate"]),
+            "validate_us": us(s["validate"]) if s["validate"] else None,
         }
 
 
@@ -368,7 +386,7 @@ def main() -> None:
                 table,
             )
             for batch in BATCHES
-            for topk in (0, *TOPKS)
+            for topk in (0, *TOPKS, None)
         ]
         for index in range(args.warmup + args.iters):
             for case in cases:
