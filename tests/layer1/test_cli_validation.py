@@ -2,8 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """CLI validation at parse time and the start-up memory checks."""
 
+import contextlib
+import ctypes
+import io
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -602,6 +606,64 @@ def test_an_ipc_path_too_long_for_a_unix_socket_address_is_refused(tmp_path, cap
     path = tmp_path / ("x" * 120)
     err = refused(["--address", f"ipc://{path}"], capsys)
     assert "more than the 107 a Unix socket address holds" in err
+
+
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("@", "the abstract ipc name after '@' is empty"),
+        ("@" + "x" * 107, "is 108 bytes, more than the 107 a Unix socket"),
+    ],
+)
+def test_an_abstract_ipc_name_zeromq_cannot_bind_is_refused(name, reason, capsys):
+    err = refused(["--address", f"ipc://{name}"], capsys)
+    assert reason in err
+
+
+def test_an_abstract_ipc_name_as_long_as_a_unix_socket_address_holds_parses():
+    address = "ipc://@" + "x" * 106
+    assert parse_args(BASE + ["--address", address]).address == address
+
+
+def _drop_capabilities() -> None:
+    """Clear this process's capabilities (root's too: no CAP_DAC_OVERRIDE),
+    so that file permissions apply to it as to any user."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # version 3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: none
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def test_an_ipc_path_in_a_directory_the_server_cannot_write_is_refused(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    path = folder / "draft.ipc"
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # parse in a process without the right to write there
+        code = 3
+        try:
+            os.close(read)
+            _drop_capabilities()
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr):
+                parse_args(BASE + ["--address", f"ipc://{path}"])
+            code = 0
+        except SystemExit as exc:
+            os.write(write, stderr.getvalue().encode())
+            code = exc.code if isinstance(exc.code, int) else 4
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        err = pipe.read().decode()
+    code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    folder.chmod(0o755)
+    assert code == 2, err
+    assert f"directory {folder} is not writable by this process" in err
+    assert not path.exists()
 
 
 def test_an_ipv6_loopback_address_parses():

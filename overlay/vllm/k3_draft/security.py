@@ -17,8 +17,9 @@
 * Keys given for a local bind enable CURVE there too.
 * Other transports are refused, and so are an IPv6 literal without brackets
   (``tcp://[::1]:5555``) and a port in other than ASCII digits.
-* An ipc path must fit a Unix socket address, lie in an existing directory and
-  not name anything but a socket (ZeroMQ unlinks the path before it binds);
+* An ipc path must fit a Unix socket address, lie in an existing directory
+  this process may write and not name anything but a socket (ZeroMQ unlinks
+  the path before it binds); an abstract name (``@name``) must fit too;
   at bind time, a socket on which a server accepts connections is in use.
 * A TCP host must be bindable on this machine (an address of it, an interface
   or a name ZeroMQ resolves to one), tried before anything is loaded.
@@ -186,21 +187,33 @@ IPC_PATH_MAX_BYTES = 107
 
 def check_ipc_path(address: str) -> None:
     """Refuse an ipc address that cannot be bound, or whose bind would delete
-    a file: a path longer than a Unix socket address holds, in a directory
-    that does not exist, or naming an existing file other than a socket.
-    Other addresses pass. Raises ``BindRefused``."""
-    path = ipc_path(address)
-    if path is None:
+    a file: a path or abstract name (``@name``) longer than a Unix socket
+    address holds, an empty abstract name, a path in a directory that does
+    not exist or in which this process may not create a socket, or naming an
+    existing file other than a socket. Other addresses pass. Raises
+    ``BindRefused``."""
+    transport, _, path = address.partition("://")
+    if transport != "ipc" or path == "*":
         return
     size = len(os.fsencode(path))
     if size > IPC_PATH_MAX_BYTES:
+        what = "abstract ipc name" if path.startswith("@") else "ipc path"
         raise BindRefused(
-            f"ipc path {path} is {size} bytes, more than the "
+            f"{what} {path} is {size} bytes, more than the "
             f"{IPC_PATH_MAX_BYTES} a Unix socket address holds"
         )
+    if path == "@":
+        raise BindRefused("the abstract ipc name after '@' is empty")
+    if path.startswith("@"):
+        return
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         raise BindRefused(f"ipc path {path}: no directory {directory}")
+    # ZeroMQ creates (and first unlinks) the socket file there.
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise BindRefused(
+            f"ipc path {path}: directory {directory} is not writable by this process"
+        )
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
