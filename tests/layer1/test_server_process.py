@@ -5,6 +5,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -633,3 +634,22 @@ def test_sigterm_during_start_up_stops_the_server_before_it_serves(tmp_path):
     log = server.log_tail()
     assert code == 0, log
     assert "Stopped during start-up" in log and "Draft RPC serving" not in log
+
+
+def test_vllm_logging_level_debug_logs_the_status_requests(
+    draft_server_factory, monkeypatch
+):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")
+    server = draft_server_factory()
+    assert server.http("/healthz")[0] == 200
+    server.stop()
+    log = server.log_path.read_text()
+    assert re.search(r"^DEBUG .*status .*GET /healthz", log, re.MULTILINE), log
+
+
+def test_a_vllm_logging_level_that_names_no_level_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "LOUD")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--engine", "reference", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "VLLM_LOGGING_LEVEL='LOUD' is not a logging level" in capsys.readouterr().err

@@ -64,7 +64,7 @@ from vllm.k3_draft.engine import (
     GiB,
     available_memory,
 )
-from vllm.k3_draft.log import configure_process_logging, init_logger
+from vllm.k3_draft.log import configure_process_logging, init_logger, logging_level
 from vllm.k3_draft.protocol import load_capability_plugins
 from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
 from vllm.k3_draft.security import (
@@ -420,6 +420,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"reference draft ({shown}): {exc}")
     elif args.draft_model is None or args.target_model is None:
         parser.error("--engine production needs --draft-model and --target-model")
+    try:
+        args.log_level = logging_level()
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.device.type == "cuda":
         present = torch.cuda.device_count()
         index = args.device.index or 0
@@ -598,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Installed already when run as a program, not when called.
     _install_stop_handlers()
     args = parse_args(argv)
-    configure_process_logging()
+    configure_process_logging(args.log_level)
     sys.exit(run(args, _stop))
 
 
