@@ -666,6 +666,24 @@ def test_an_ipc_path_in_a_directory_the_server_cannot_write_is_refused(tmp_path)
     assert not path.exists()
 
 
+@pytest.mark.parametrize("status_host", ["127.0.0.1", "0.0.0.0"])
+def test_an_rpc_address_on_the_status_servers_port_is_refused_before_loading(
+    status_host, capsys
+):
+    port = free_tcp_port()
+    address = f"tcp://127.0.0.1:{port}"
+    argv = ["--address", address, "--status-host", status_host]
+    err = refused([*argv, "--status-port", str(port)], capsys)
+    assert f"{address} takes port {port}, which the status server binds" in err
+
+
+def test_the_status_port_on_another_loopback_address_parses():
+    port = free_tcp_port()
+    address = f"tcp://127.0.0.2:{port}"
+    args = parse_args(BASE + ["--address", address, "--status-port", str(port)])
+    assert args.address == address
+
+
 def test_an_ipv6_loopback_address_parses():
     address = f"tcp://[::1]:{free_tcp_port()}"
     assert parse_args(BASE + ["--address", address]).address == address

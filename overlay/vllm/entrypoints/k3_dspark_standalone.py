@@ -72,6 +72,7 @@ from vllm.k3_draft.security import (
     CurveConfig,
     check_bind,
     check_bindable,
+    needs_ipv6,
     warn_if_unsafe,
 )
 from vllm.k3_draft.server import DraftServer
@@ -352,6 +353,48 @@ _LIMIT_FLAGS = {
 _LIMIT_FIELD = re.compile(r"\b(" + "|".join(_LIMIT_FLAGS) + r")\b")
 
 
+def check_apart_from_status(address: str, status_host: str, status_port: int) -> None:
+    """Refuse (``BindRefused``) a TCP ``address`` that the status server's own
+    bind on ``status_host:status_port`` would take (the same port on an
+    overlapping host): the status server binds first and keeps the port, so
+    the RPC bind would fail only after loading. Tried by holding the status
+    address and binding ``address`` next to it; when the status address is
+    in use now, that is found when the status server binds."""
+    transport, _, endpoint = address.partition("://")
+    port = endpoint.rpartition(":")[2]
+    if transport != "tcp" or not port.isdigit() or int(port) != status_port:
+        return
+    family = socket.getaddrinfo(
+        status_host, status_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as held:
+        # As the status server binds (http.server sets SO_REUSEADDR).
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind((status_host, status_port))
+            held.listen()
+        except OSError:
+            return
+        context = zmq.Context()
+        try:
+            probe = context.socket(zmq.PAIR)
+            probe.setsockopt(zmq.LINGER, 0)
+            if needs_ipv6(address):
+                probe.setsockopt(zmq.IPV6, 1)
+            try:
+                probe.bind(address)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EADDRINUSE:
+                    raise BindRefused(
+                        f"{address} takes port {status_port}, which the status "
+                        f"server binds first on {status_host} (--status-port)"
+                    ) from None
+            finally:
+                probe.close()
+        finally:
+            context.term()
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate; any invalid value is a usage error (exit 2)."""
     parser = make_parser()
@@ -389,6 +432,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     try:
         check_bind(args.address, args.curve, args.allow_unsafe_remote_rpc)
         check_bindable(args.address)
+        check_apart_from_status(args.address, args.status_host, args.status_port)
     except BindRefused as exc:
         parser.error(f"argument --address: {exc}")
     if args.enable_cuda_graph and args.device.type != "cuda":
