@@ -11,7 +11,9 @@ reply is held back after its round trip until the runner has parked its
 stream, so the staging copies, layer 2's publish (upstream's Triton Gumbel
 sampler, the top-k scatter) and the draft store are enqueued before the
 reply is in pinned memory. Draft tokens and draft-logits caches must be
-bit-identical to the immediate verifier's after every step.
+bit-identical to the immediate verifier's after every step; also when every
+other step is all greedy (both verifiers bound to the temperatures as the
+runner's hook binds them), which asks for no logits and publishes none.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,6 +29,7 @@ import torch
 from k3_l3_runner import sample_tokens, scheduler_output
 from k3_l3_steps import (
     SLOTS,
+    TEMPERATURES,
     K,
     last_sampled,
     propose,
@@ -36,6 +40,9 @@ from k3_l3_steps import (
 
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import DeferredResolution, install_deferred_resolution
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
+    bind_sampling_states,
+)
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     RemoteK3DSparkSpeculator,
 )
@@ -87,7 +94,7 @@ def held_replies(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return parked
 
 
-@pytest.mark.parametrize("method", ["greedy", "full", "top16"])
+@pytest.mark.parametrize("method", ["greedy", "full", "top16", "full-greedy-odd"])
 def test_deferred_and_immediate_give_identical_draft_state_on_cuda(
     make_speculator,
     make_runner,
@@ -108,7 +115,16 @@ def test_deferred_and_immediate_give_identical_draft_state_on_cuda(
     assert isinstance(strategy, DeferredResolution) and strategy.deferrable
     temperature = temperatures("cuda", greedy=method == "greedy")
     runner = make_runner(deferred, [], K, temperature, seeds("cuda"))
+    greedy_odd = method == "full-greedy-odd"
+    host = temperature.cpu().numpy()
+    if greedy_odd:
+        states = SimpleNamespace(temperature=SimpleNamespace(np=host))
+        bind_sampling_states(immediate, states)
+        bind_sampling_states(deferred, states)
     for step in range(5):
+        if greedy_odd:
+            host[SLOTS] = 0.0 if step % 2 else TEMPERATURES
+            temperature.copy_(torch.from_numpy(host))
         start = 10 + (K + 1) * step
         # Step 0 is the warm-up: synchronous, it loads every kernel that later
         # runs behind a parked stream (as the worker's warm-up does).
