@@ -314,6 +314,23 @@ def test_a_step_with_a_sampling_request_asks_for_the_logits(
     assert scripted_server.log[-1][1]["return_logits"] is True
 
 
+def test_a_sampling_step_that_drafts_no_tokens_asks_for_no_logits(
+    make_speculator, probabilistic, scripted_server, reference_gumbel
+):
+    """A step that skips drafts (the scheduler's ``skip_drafts``: every
+    request a non-final prefill chunk or at its last token) PROPOSEs only to
+    keep the server in sync; rejection reads no draft logits after it."""
+    scripted_server.pong["capabilities"].append(CAPABILITY_FULL)
+    speculator, _ = make_speculator(scripted_server.address, probabilistic)
+    _bind_temperatures(speculator, (0.5, 0.5))
+    drafts = _step(speculator, temperature=(0.5, 0.5), num_speculative_tokens=0)
+    propose = scripted_server.log[-1][1]
+    assert "return_logits" not in propose and "logits_topk" not in propose
+    assert (drafts == -1).all()
+    assert _untouched(speculator.draft_logits, range(8))
+    assert not any(state.stale for state in speculator.plan.retained.values())
+
+
 def test_without_the_runners_temperatures_a_greedy_step_asks_for_the_logits(
     make_speculator, probabilistic, scripted_server, reference_gumbel
 ):

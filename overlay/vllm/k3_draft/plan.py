@@ -157,10 +157,11 @@ class ProposeExtension(abc.ABC):
 
     capability: str
 
-    def wanted(self, input_batch: Any) -> bool:
-        """Every TP rank, when the step is proposed: whether this step asks
-        for the capability (the same answer on every rank). A step that does
-        not ask neither consumes nor publishes it. Default: every step."""
+    def wanted(self, input_batch: Any, num_speculative_tokens: int) -> bool:
+        """Every TP rank, when the step is proposed (``num_speculative_tokens``
+        drafts a request, 0 when the step skips drafts): whether this step
+        asks for the capability (the same answer on every rank). A step that
+        does not ask neither consumes nor publishes it. Default: every step."""
         return True
 
     @abc.abstractmethod

@@ -31,10 +31,11 @@ bf16 ``[max_num_reqs, K, V]``):
   point mass at its most likely token (a grammar-refused draft is resampled
   from the target's distribution upstream, which is exact only then).
 
-A step whose requests are all greedy (temperature 0) does not ask for the
-logits (``wanted``), once the runner bound its temperatures
-(``bind_sampling_states``): rejection reads no draft logits for a greedy
-request, so the server's own draft tokens stand and no cache row changes.
+A step that drafts no tokens (it skips drafts), or whose requests are all
+greedy (temperature 0) once the runner bound its temperatures
+(``bind_sampling_states``), does not ask for the logits (``wanted``):
+rejection reads no draft logits then, so the server's own draft tokens (none
+when it skips drafts) stand and no cache row changes.
 
 Deferred resolution (a higher layer) publishes a slot before its reply
 arrives; ``deferral_safe``, ``prepare_staging``, ``select_staging``,
@@ -191,9 +192,12 @@ class RemoteDraftLogits(ProposeExtension):
         step), which ``wanted`` reads."""
         self._temperature = temperature
 
-    def wanted(self, input_batch: InputBatch) -> bool:
-        """False when every request of the step is greedy (needs
-        ``bind_temperatures``; until then every step asks)."""
+    def wanted(self, input_batch: InputBatch, num_speculative_tokens: int) -> bool:
+        """False when the step drafts no tokens (it skips drafts) or, once
+        ``bind_temperatures`` ran, when every request of the step is
+        greedy."""
+        if num_speculative_tokens == 0:
+            return False
         if self._temperature is None:
             return True
         idx = input_batch.idx_mapping_np[: input_batch.num_reqs]

@@ -348,18 +348,20 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             # Dummy batches never reach the draft server.
             return self.draft_tokens[:num_reqs].fill_(NO_DRAFT)
         assert aux_hidden_states, "remote drafting needs the aux hidden states"
+        if num_speculative_tokens is None:
+            num_speculative_tokens = self.num_speculative_steps
         step = RemoteStep(
             input_batch=input_batch,
             num_reqs=num_reqs,
-            num_speculative_tokens=(
-                self.num_speculative_steps
-                if num_speculative_tokens is None
-                else num_speculative_tokens
-            ),
+            num_speculative_tokens=num_speculative_tokens,
             temperature=temperature,
             seeds=seeds,
             staged=None,
-            extensions=tuple(e for e in self.extensions if e.wanted(input_batch)),
+            extensions=tuple(
+                e
+                for e in self.extensions
+                if e.wanted(input_batch, num_speculative_tokens)
+            ),
         )
         if self.plan is not None:
             step.staged = self.stage(
