@@ -277,6 +277,7 @@ def _check_standard_rejection(topk: int) -> None:
         temperature=temperature,
         seeds=seeds,
         staged=None,
+        extensions=(extension,),
     )
     extension.publish(payload, PublishContext(step, drafts))
 
@@ -385,6 +386,7 @@ def _check_publish(topk: int) -> None:
             temperature=torch.tensor([0.7, 1.0, 0.0, 1, 1.5, 1, 0.9, 1]),
             seeds=torch.arange(8) * 77 - 300,
             staged=None,
+            extensions=(extension,),
         )
         extension.publish(payload, PublishContext(step, drafts))
         results.append((drafts, extension.draft_logits))

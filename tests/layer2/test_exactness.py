@@ -186,6 +186,7 @@ def _propose_and_verify(
         temperature=temperatures,
         seeds=seeds,
         staged=None,
+        extensions=(extension,),
     )
     drafts = torch.full((DRAWS, K), -1, dtype=torch.int64)
     extension.publish(result.payloads[fmt.capability], PublishContext(step, drafts))

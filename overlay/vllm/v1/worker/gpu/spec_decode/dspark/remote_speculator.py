@@ -104,7 +104,7 @@ class RemoteStep:
     temperature: torch.Tensor
     seeds: torch.Tensor
     staged: StagedInputs | None
-    extensions: tuple[ProposeExtension, ...] = ()
+    extensions: tuple[ProposeExtension, ...]
 
 
 @dataclass(frozen=True)
