@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import threading
 import time
@@ -77,6 +78,28 @@ def test_server_whose_replies_do_not_name_it_is_refused(client, scripted_server)
     # A protocol-2 server of the previous release names itself in PONG only.
     scripted_server.pong["capabilities"] = []
     with pytest.raises(IncompatibleServerError, match="an older draft server"):
+        client.handshake(NEEDS)
+
+
+@pytest.mark.parametrize(("version", "ok"), [(3, False), (3, True), (1, True)])
+def test_server_speaking_another_protocol_version_is_refused(
+    client, scripted_server, version, ok
+):
+    """A draft server of another release answers the PING in its own protocol
+    version (its PONG, or the error it gives a request of another version)."""
+    reply = {"ok": ok, "protocol": version, "server_id": "scripted-1"}
+    if ok:
+        reply.update(scripted_server.pong, op=protocol.OP_PONG)
+    else:
+        reply.update(
+            op="ERROR", error=f"ProtocolError: protocol version 2 is not {version}"
+        )
+    scripted_server.handlers["PING"] = lambda header, frames: [
+        json.dumps(reply).encode()
+    ]
+    with pytest.raises(
+        IncompatibleServerError, match=f"speaks wire protocol {version}, this engine 2"
+    ):
         client.handshake(NEEDS)
 
 

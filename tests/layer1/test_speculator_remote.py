@@ -8,6 +8,7 @@ returns. The request table is ``toy_target.TokenTable`` (upstream's
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from typing import Any
 
@@ -173,6 +174,26 @@ def test_timing_is_not_logged_by_default(make_speculator, scripted_server, caplo
 def test_incompatible_server_is_refused_at_init(make_speculator, scripted_server):
     scripted_server.pong["context_width"] = 4096
     with pytest.raises(IncompatibleServerError, match="context_width"):
+        make_speculator(scripted_server.address)
+
+
+def test_server_of_another_protocol_version_is_refused_at_init(
+    make_speculator, scripted_server
+):
+    """A draft server of another release answers the PING with an error in
+    its own protocol version: the verifier fails to start, as for any server
+    that answers and cannot serve it (not "did not answer", drafting never)."""
+    reply = {
+        "ok": False,
+        "protocol": 3,
+        "op": "ERROR",
+        "server_id": "scripted-1",
+        "error": "ProtocolError: protocol version 2 is not 3",
+    }
+    scripted_server.handlers["PING"] = lambda header, frames: [
+        json.dumps(reply).encode()
+    ]
+    with pytest.raises(IncompatibleServerError, match="wire protocol 3"):
         make_speculator(scripted_server.address)
 
 

@@ -6,7 +6,8 @@
 RPC timeout). A REQ socket that missed a reply is wedged, so after any send or
 receive failure the client closes it, connects a fresh one and raises
 ``TransportError``. ``check_server`` is the handshake's compatibility check of
-a PONG against this engine (``ServerRequirements``).
+a PONG against this engine (``ServerRequirements``); a server that answers the
+PING in another protocol version cannot serve this engine either.
 
 Every reply names the server process that wrote it (``server_id``). Once a
 handshake accepted a server, a reply from any other (a restarted process at
@@ -25,6 +26,7 @@ awaited: another thread may resume once this one only waits for the server.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,7 @@ from vllm.k3_draft.protocol import (
     OP_CLEAR,
     OP_PING,
     PONG_FIELDS,
+    PROTOCOL_VERSION,
     ProtocolError,
     check_reply,
     decode_header,
@@ -120,6 +123,22 @@ def _pong_int(pong: Mapping[str, Any], name: str) -> int:
     if type(value) is not int or value < 0:
         raise ProtocolError(f"PONG {name} is not a non-negative integer: {value!r}")
     return value
+
+
+def _foreign_protocol(frame: Any) -> int | None:
+    """The protocol version a reply header names when it is not this
+    client's (a draft server of another release), else None."""
+    view = memoryview(frame)
+    if view.nbytes > MAX_REPLY_HEADER_BYTES:
+        return None
+    try:
+        header = json.loads(bytes(view).decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    version = header.get("protocol") if isinstance(header, dict) else None
+    if type(version) is int and version != PROTOCOL_VERSION:
+        return version
+    return None
 
 
 def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerInfo:
@@ -345,9 +364,20 @@ class DraftClient:
             reply = self._socket.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
             raise self._failed(OP_PING, exc) from exc
-        pong = check_reply(
-            decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES), OP_PING
-        )
+        try:
+            header = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
+        except ProtocolError:
+            # A server of another protocol version answers (in its own
+            # version, an error most likely): it cannot serve this engine,
+            # whatever it says.
+            version = _foreign_protocol(reply[0].buffer)
+            if version is None:
+                raise
+            raise IncompatibleServerError(
+                "the draft server cannot serve this engine: it speaks wire "
+                f"protocol {version}, this engine {PROTOCOL_VERSION}"
+            ) from None
+        pong = check_reply(header, OP_PING)
         if len(reply) > 1:
             raise ProtocolError(f"PONG carries {len(reply) - 1} unexpected frames")
         info = check_server(pong, needs)
