@@ -243,10 +243,15 @@ def test_pong_not_come_within_the_timeout_is_given_up(fresh_plan, scripted_serve
     time.sleep(0.35)
     # Past the 300 ms timeout: the PING is dropped with its socket.
     assert (fresh_plan.run(_step(["a"])).tokens == -1).all()
-    del scripted_server.handlers["PING"]
+    retry = scripted_server.handlers["PING"] = _answer_after(scripted_server, 0.0)
     ping.answered.wait()
+    # The retry's PING leaves with the next step, which waits only 20 ms for
+    # its PONG: on a loaded machine it is the step after that one that drafts.
+    fresh_plan.run(_step(["a"]))
+    retry.answered.wait()
+    time.sleep(0.05)
     assert (fresh_plan.run(_step(["a"])).tokens == 5).all()
-    assert scripted_server.ops() == ["PING", "PING", "PROPOSE"]
+    assert scripted_server.ops()[:3] == ["PING", "PING", "PROPOSE"]
 
 
 def _answer_after(server: Any, delay_s: float) -> Any:
