@@ -72,7 +72,7 @@ from vllm.k3_draft.security import (
     CurveConfig,
     check_bind,
     check_bindable,
-    needs_ipv6,
+    probe_bind,
     warn_if_unsafe,
 )
 from vllm.k3_draft.server import DraftServer
@@ -375,24 +375,12 @@ def check_apart_from_status(address: str, status_host: str, status_port: int) ->
             held.listen()
         except OSError:
             return
-        context = zmq.Context()
-        try:
-            probe = context.socket(zmq.PAIR)
-            probe.setsockopt(zmq.LINGER, 0)
-            if needs_ipv6(address):
-                probe.setsockopt(zmq.IPV6, 1)
-            try:
-                probe.bind(address)
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EADDRINUSE:
-                    raise BindRefused(
-                        f"{address} takes port {status_port}, which the status "
-                        f"server binds first on {status_host} (--status-port)"
-                    ) from None
-            finally:
-                probe.close()
-        finally:
-            context.term()
+        error = probe_bind(address)
+    if error is not None and error.errno == zmq.EADDRINUSE:
+        raise BindRefused(
+            f"{address} takes port {status_port}, which the status "
+            f"server binds first on {status_host} (--status-port)"
+        )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

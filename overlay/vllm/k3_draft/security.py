@@ -244,6 +244,17 @@ def check_bindable(address: str) -> None:
     if transport != "tcp":
         return
     host = endpoint.rpartition(":")[0]
+    error = probe_bind(f"tcp://{host}:*")
+    if error is not None:
+        code = error.errno or 0
+        reason = _TCP_BIND_REASONS.get(code)
+        why = f"{host!r} {reason}" if reason else f"{host!r}: {zmq.strerror(code)}"
+        raise BindRefused(f"cannot bind {address!r}: {why}")
+
+
+def probe_bind(address: str) -> zmq.ZMQError | None:
+    """Bind ``address`` with a throwaway ZeroMQ socket and release it at
+    once: the error ZeroMQ raised, None when the bind succeeded."""
     context = zmq.Context()
     try:
         probe = context.socket(zmq.PAIR)
@@ -251,16 +262,14 @@ def check_bindable(address: str) -> None:
         if needs_ipv6(address):
             probe.setsockopt(zmq.IPV6, 1)
         try:
-            probe.bind(f"tcp://{host}:*")
+            probe.bind(address)
         except zmq.ZMQError as exc:
-            code = exc.errno or 0
-            reason = _TCP_BIND_REASONS.get(code)
-            why = f"{host!r} {reason}" if reason else f"{host!r}: {zmq.strerror(code)}"
-            raise BindRefused(f"cannot bind {address!r}: {why}") from None
+            return exc
         finally:
             probe.close()
     finally:
         context.term()
+    return None
 
 
 def claim_ipc_path(address: str) -> None:
