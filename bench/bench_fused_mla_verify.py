@@ -205,6 +205,9 @@ def run_case(
             ops, work, q, query_len, splits, o, lse, workspace, config
         )
         used = config or ops.default_config(query_len, heads)
+        # The variants share ``o``: poisoned, a variant that leaves rows
+        # unwritten shows them instead of the previous variant's output.
+        o.fill_(float("nan"))
         try:
             fused()
         except triton.runtime.errors.OutOfResources as exc:
@@ -213,6 +216,13 @@ def run_case(
             print(f"tiling {used} does not fit: {exc}", flush=True)
             continue
         diff = ((o.float() - up_o.float()).norm() / up_o.float().norm()).item()
+        # test_matches_upstream_unfused_decode's tolerance: a wrong kernel is
+        # not timed.
+        if not diff < (2e-2 if work.kv_dtype == FP8 else 1e-2):
+            if config is None and split_scale == 1:
+                raise RuntimeError(f"fused output differs from upstream by {diff:.3e}")
+            print(f"tiling {used} differs from upstream by {diff:.3e}", flush=True)
+            continue
         fused_ms = _time_ms(_graphed(fused))
         results.append(
             {
