@@ -205,7 +205,8 @@ class Case:
         if self.greedy:
             if replies:
                 raise RuntimeError(f"{self.name}: logits came unasked")
-            self._record(record, header, frames, received - start)
+            if record:
+                self._record(header, frames, received - start)
             return
         ((meta, logits_frames),) = replies.values()
         if self.extension is not None:
@@ -227,13 +228,9 @@ class Case:
         self.samples["validate"].append(validated - consumed)
         if self.extension is not None:
             self.samples["consume"].append(consumed - received)
-        self._record(record, header, frames, received - start)
+        self._record(header, frames, received - start)
 
-    def _record(
-        self, record: bool, header: dict[str, Any], frames: list[Any], rtt: float
-    ) -> None:
-        if not record:
-            return
+    def _record(self, header: dict[str, Any], frames: list[Any], rtt: float) -> None:
         timing = header["timing_ms"]
         reply_bytes = len(protocol.encode_header(header)) + sum(
             len(memoryview(f)) for f in frames

@@ -26,7 +26,6 @@ awaited: another thread may resume once this one only waits for the server.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from vllm.k3_draft.protocol import (
     OP_PING,
     PONG_FIELDS,
     PROTOCOL_VERSION,
+    ForeignProtocolError,
     ProtocolError,
     check_reply,
     decode_header,
@@ -123,22 +123,6 @@ def _pong_int(pong: Mapping[str, Any], name: str) -> int:
     if type(value) is not int or value < 0:
         raise ProtocolError(f"PONG {name} is not a non-negative integer: {value!r}")
     return value
-
-
-def _foreign_protocol(frame: Any) -> int | None:
-    """The protocol version a reply header names when it is not this
-    client's (a draft server of another release), else None."""
-    view = memoryview(frame)
-    if view.nbytes > MAX_REPLY_HEADER_BYTES:
-        return None
-    try:
-        header = json.loads(bytes(view).decode("utf-8"))
-    except (ValueError, RecursionError):
-        return None
-    version = header.get("protocol") if isinstance(header, dict) else None
-    if type(version) is int and version != PROTOCOL_VERSION:
-        return version
-    return None
 
 
 def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerInfo:
@@ -366,16 +350,13 @@ class DraftClient:
             raise self._failed(OP_PING, exc) from exc
         try:
             header = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
-        except ProtocolError:
+        except ForeignProtocolError as exc:
             # A server of another protocol version answers (in its own
             # version, an error most likely): it cannot serve this engine,
             # whatever it says.
-            version = _foreign_protocol(reply[0].buffer)
-            if version is None:
-                raise
             raise IncompatibleServerError(
                 "the draft server cannot serve this engine: it speaks wire "
-                f"protocol {version}, this engine {PROTOCOL_VERSION}"
+                f"protocol {exc.version}, this engine {PROTOCOL_VERSION}"
             ) from None
         pong = check_reply(header, OP_PING)
         if len(reply) > 1:

@@ -125,6 +125,15 @@ class ProtocolError(ValueError):
     """A message violates the wire contract (either direction)."""
 
 
+class ForeignProtocolError(ProtocolError):
+    """A header names another protocol version (``version``): a peer of
+    another release."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+        self.version = version
+
+
 class RemoteError(RuntimeError):
     """The peer answered ``ok: false``; ``str()`` is its ``"<Type>: <msg>"``."""
 
@@ -257,7 +266,8 @@ def decode_header(frame: Any, max_bytes: int) -> dict[str, Any]:
     """Parse frame 0 (any buffer) and check ``protocol`` and ``op``.
 
     Raises ``ProtocolError`` for more than ``max_bytes`` bytes, invalid UTF-8
-    or JSON, a non-object, a wrong or missing protocol, or a missing op.
+    or JSON, a non-object, a wrong or missing protocol (another integer
+    version: ``ForeignProtocolError``), or a missing op.
     """
     view = memoryview(frame)
     if view.nbytes > max_bytes:
@@ -274,7 +284,9 @@ def decode_header(frame: Any, max_bytes: int) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     version = header.get("protocol")
-    if type(version) is not int or version != PROTOCOL_VERSION:
+    if type(version) is int and version != PROTOCOL_VERSION:
+        raise ForeignProtocolError(version)
+    if type(version) is not int:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
     op = header.get("op")
     if not isinstance(op, str) or not op:
