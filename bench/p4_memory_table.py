@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cli_types import positive_int
 
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
@@ -158,14 +159,14 @@ def pool_table(args: argparse.Namespace, model_dir: Path) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-model-len", type=int, default=131072)
-    parser.add_argument("--draft-block-size", type=int, default=16)
-    parser.add_argument("--draft-kv-heads", type=int, default=1)
-    parser.add_argument("--draft-head-size", type=int, default=128)
-    parser.add_argument("--draft-layers", type=int, default=1)
-    parser.add_argument("--target-layers", type=int, default=61)
-    parser.add_argument("--target-block-size", type=int, default=64)
-    parser.add_argument("--pool-gib", type=int, default=64)
+    parser.add_argument("--max-model-len", type=positive_int, default=131072)
+    parser.add_argument("--draft-block-size", type=positive_int, default=16)
+    parser.add_argument("--draft-kv-heads", type=positive_int, default=1)
+    parser.add_argument("--draft-head-size", type=positive_int, default=128)
+    parser.add_argument("--draft-layers", type=positive_int, default=1)
+    parser.add_argument("--target-layers", type=positive_int, default=61)
+    parser.add_argument("--target-block-size", type=positive_int, default=64)
+    parser.add_argument("--pool-gib", type=positive_int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
