@@ -201,7 +201,8 @@ def make_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--allow-unsafe-remote-rpc",
         action="store_true",
-        help="allow a non-loopback bind without CURVE (warned at every start)",
+        help="allow a non-loopback bind without CURVE (warned at every start); "
+        "a bind on all interfaces (*, 0.0.0.0, ::) always needs the keys",
     )
     net.add_argument(
         "--busy-poll-us",
@@ -295,8 +296,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--min-free-memory-gib",
         type=_positive_float,
         default=1.0,
-        help="free device memory required after CUDA graph capture (or, "
-        "without graphs, after the largest query ran once) (default: %(default)s)",
+        help="free CUDA device memory required after CUDA graph capture (or, "
+        "without graphs, after the largest query ran once); not checked on the "
+        "CPU (default: %(default)s)",
     )
 
     prod = parser.add_argument_group("production engine")
