@@ -354,3 +354,36 @@ def test_a_server_on_ipv6_loopback_serves_the_client(draft_server_factory):
         assert client.handshake(NEEDS).max_requests == 16
     finally:
         client.close()
+
+
+def test_a_server_below_the_engines_bounds_is_refused_naming_its_flags(
+    draft_server_factory,
+):
+    """The operator fixes a refusal on the draft server's command line: each
+    bound it names is named by the server flag that sets it (``max_batch_size``
+    is ``--max-num-seqs``)."""
+    server = draft_server_factory(
+        max_num_seqs=4,
+        max_requests=6,
+        max_speculative_tokens=2,
+        max_context_tokens=256,
+        max_model_len=2048,
+    )
+    needs = dataclasses.replace(NEEDS, max_num_seqs=8)
+    client = DraftClient(server.address, 5000)
+    try:
+        with pytest.raises(IncompatibleServerError) as refused:
+            client.handshake(needs)
+    finally:
+        client.close()
+    message = str(refused.value)
+    for bound in (
+        "max_model_len 2048 (--max-model-len), this engine has 4096",
+        "max_batch_size 4 (--max-num-seqs) is below this engine's max_num_seqs 8",
+        "max_requests 6 (--max-requests) is below this engine's max_num_seqs 8",
+        "max_speculative_tokens 2 (--max-speculative-tokens) is below this "
+        "engine's num_speculative_tokens 3",
+        "max_context_tokens 256 (--max-context-tokens) is below this engine's "
+        "max_num_batched_tokens 512",
+    ):
+        assert bound in message, message

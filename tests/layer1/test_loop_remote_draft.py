@@ -304,7 +304,7 @@ def test_a_restarted_incompatible_server_is_refused_until_a_compatible_one_is_ba
                 break
             time.sleep(0.05)
     assert "method 'dspark', this engine drafts with 'dflash'" in caplog.text
-    assert "max_model_len 2048, this engine has 4096" in caplog.text
+    assert "max_model_len 2048 (--max-model-len), this engine has 4096" in caplog.text
     assert loop.stats.drafted == drafted
     assert _status(server)["requests_by_op"].get("PROPOSE", 0) <= 1
     server.stop()

@@ -125,6 +125,22 @@ def _pong_int(pong: Mapping[str, Any], name: str) -> int:
     return value
 
 
+# The draft server's flag that sets each PONG bound, named in a refusal so that
+# the operator knows what to change on the server's command line.
+_SERVER_FLAGS = {
+    "max_model_len": "--max-model-len",
+    "max_batch_size": "--max-num-seqs",
+    "max_requests": "--max-requests",
+    "max_speculative_tokens": "--max-speculative-tokens",
+    "max_context_tokens": "--max-context-tokens",
+}
+
+
+def _flag(name: str) -> str:
+    flag = _SERVER_FLAGS.get(name)
+    return f" ({flag})" if flag else ""
+
+
 def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerInfo:
     """Check a PONG header against ``needs``.
 
@@ -162,7 +178,7 @@ def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerIn
     ):
         theirs = _pong_int(pong, name)
         if theirs != ours:
-            problems.append(f"{name} {theirs}, this engine has {ours}")
+            problems.append(f"{name} {theirs}{_flag(name)}, this engine has {ours}")
     for name, ours, what in (
         ("max_batch_size", needs.max_num_seqs, "max_num_seqs"),
         ("max_requests", needs.max_num_seqs, "max_num_seqs"),
@@ -175,7 +191,9 @@ def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerIn
     ):
         theirs = _pong_int(pong, name)
         if theirs < ours:
-            problems.append(f"{name} {theirs} is below this engine's {what} {ours}")
+            problems.append(
+                f"{name} {theirs}{_flag(name)} is below this engine's {what} {ours}"
+            )
     if problems:
         raise IncompatibleServerError(
             "the draft server cannot serve this engine: " + "; ".join(problems)
