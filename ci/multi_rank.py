@@ -944,7 +944,7 @@ def check_replicated_draft(rank: int, n: int, device: Any) -> dict[str, Any]:
 
 
 def _python_path_env() -> dict[str, str]:
-    """The environment of the server and the workers: ``overlay/`` appended to
+    """The environment of the server and the workers: ``overlay/`` put in front of
     PYTHONPATH when ``vllm.k3_draft`` is not importable otherwise."""
     env = dict(os.environ)
     env.update(NVLS_ENV)

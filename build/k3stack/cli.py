@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``python -m k3stack COMMAND``: apply, refresh, rebase, build, validate."""
+"""``python -m k3stack COMMAND``: apply, refresh, rebase, build, site, validate,
+qualify."""
 
 from __future__ import annotations
 
