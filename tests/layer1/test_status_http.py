@@ -115,7 +115,7 @@ def test_metrics_are_prometheus_text(draft_server, raw_client):
     assert code == 200 and families["k3_draft_ready"].samples[0].value == 1.0
     requests = {s.labels["op"]: s.value for s in families["k3_draft_requests"].samples}
     assert requests["PING"] >= 1
-    assert "k3_draft_propose_latency_ms" in families
+    assert "k3_draft_propose_latency_seconds" in families
 
 
 def test_metrics_count_what_the_status_counts(draft_server, raw_client):
@@ -134,10 +134,25 @@ def test_metrics_count_what_the_status_counts(draft_server, raw_client):
     assert requests == status["requests_by_op"]
     latency = {
         s.labels["le"]: s.value
-        for s in families["k3_draft_propose_latency_ms"].samples
+        for s in families["k3_draft_propose_latency_seconds"].samples
         if s.name.endswith("_bucket")
     }
     assert latency["+Inf"] == status["latency_ms"]["count"] >= 1
+
+
+def test_the_latency_histogram_is_in_seconds(draft_server, raw_client):
+    raw_client.send_frames(propose_message([entry("s", 4, 4, reset=True)], 2, WIDTH))
+    status = json.loads(draft_server.http("/v1/status")[1])["latency_ms"]
+    body = draft_server.http("/metrics")[1].decode()
+    family = {f.name: f for f in text_string_to_metric_families(body)}[
+        "k3_draft_propose_latency_seconds"
+    ]
+    bounds = [
+        float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")
+    ]
+    (total,) = (s.value for s in family.samples if s.name.endswith("_sum"))
+    assert bounds == [b / 1e3 for b in status["buckets"]] + [float("inf")]
+    assert total == pytest.approx(status["sum"] / 1e3) and total > 0
 
 
 def request(url: str, method: str) -> tuple[int, dict[str, str], bytes]:

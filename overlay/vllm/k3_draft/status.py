@@ -118,20 +118,20 @@ class _ServerCollector(Collector):
             ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        # In seconds, Prometheus' base unit (the JSON status keeps ms).
         latency = snap["latency_ms"]
         cumulative, buckets = 0, []
-        for bound, count in zip(
+        for bound_ms, count in zip(
             [*latency["buckets"], float("inf")], latency["bucket_counts"]
         ):
             cumulative += count
-            buckets.append(
-                (str(bound) if bound != float("inf") else "+Inf", cumulative)
-            )
+            bound = "+Inf" if bound_ms == float("inf") else repr(bound_ms / 1e3)
+            buckets.append((bound, cumulative))
         yield HistogramMetricFamily(
-            "k3_draft_propose_latency_ms",
-            "Server-side PROPOSE latency in milliseconds",
+            "k3_draft_propose_latency_seconds",
+            "Server-side PROPOSE latency in seconds",
             buckets=buckets,
-            sum_value=latency["sum"],
+            sum_value=latency["sum"] / 1e3,
         )
 
 
