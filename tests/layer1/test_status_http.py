@@ -118,6 +118,27 @@ def test_metrics_are_prometheus_text(draft_server, raw_client):
     assert "k3_draft_propose_latency_seconds" in families
 
 
+def test_metrics_export_every_ops_counters_before_its_first_error(
+    draft_server, raw_client
+):
+    """Each op's request and error counters are exported at 0 from the start
+    (prometheus_client's advice for labelled metrics): a series that appears
+    only with its first error hides that error from rate() and increase()."""
+    raw_client.call("PING")
+    body = draft_server.http("/metrics")[1].decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    ops = {"PING", "PROPOSE", "RESET", "FREE", "CLEAR", "RECONNECT", "INVALID"}
+    for name in ("k3_draft_requests", "k3_draft_errors"):
+        series = {
+            s.labels["op"]: s.value
+            for s in families[name].samples
+            if s.name == name + "_total"
+        }
+        assert series.keys() == ops, name
+    errors = {s.labels["op"]: s.value for s in families["k3_draft_errors"].samples}
+    assert errors["PING"] == 0
+
+
 def test_metrics_count_what_the_status_counts(draft_server, raw_client):
     raw_client.call("PING")
     raw_client.call("PING")
@@ -129,7 +150,7 @@ def test_metrics_count_what_the_status_counts(draft_server, raw_client):
     requests = {
         s.labels["op"]: s.value
         for s in families["k3_draft_requests"].samples
-        if s.name == "k3_draft_requests_total"
+        if s.name == "k3_draft_requests_total" and s.value
     }
     assert requests == status["requests_by_op"]
     latency = {

@@ -167,6 +167,11 @@ class DraftServer:
             OP_RECONNECT: self._reconnect,
         }
 
+    @property
+    def counted_ops(self) -> frozenset[str]:
+        """Every op the stats count by: the handled ones and INVALID."""
+        return frozenset((*self._handlers, "INVALID"))
+
     def _static_info(self) -> dict[str, Any]:
         limits, spec = self.limits, self.engine.spec
         return {

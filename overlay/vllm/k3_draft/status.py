@@ -85,9 +85,12 @@ class _ServerCollector(Collector):
             ("k3_draft_requests", "requests_by_op", "Requests received, by op"),
             ("k3_draft_errors", "errors_by_op", "Error replies, by op"),
         ):
+            # Every op from the start, at 0 until counted: a series that
+            # appears with its first error hides it from rate() and increase().
+            counts = snap[key]
             family = CounterMetricFamily(name, doc, labels=["op"])
-            for op, count in sorted(snap[key].items()):
-                family.add_metric([op], count)
+            for op in sorted(self.state.server.counted_ops | counts.keys()):
+                family.add_metric([op], counts.get(op, 0))
             yield family
         for name, value, doc in (
             (
