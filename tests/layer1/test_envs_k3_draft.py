@@ -5,6 +5,8 @@ clear errors for malformed values."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm import envs
@@ -86,4 +88,19 @@ def test_remote_variables_do_not_change_compile_factors(monkeypatch):
     before = envs.compile_factors()
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", "tcp://127.0.0.1:5555")
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", "100")
+    monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_TIMEOUT_MS", "200")
     assert envs.compile_factors() == before
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_remote_variable_passes_vllms_environment_validation(monkeypatch, name):
+    """``vllm serve`` warns about every VLLM_* variable that ``vllm.envs``
+    does not register, and refuses to start with
+    ``--fail-on-environ-validation``: the documented legacy names too."""
+    from vllm.platforms.interface import Platform
+
+    for other in list(os.environ):
+        if other.startswith("VLLM_") and other not in envs.environment_variables:
+            monkeypatch.delenv(other)
+    monkeypatch.setenv(name, "1234")
+    Platform.validate_environ(hard_fail=True)
