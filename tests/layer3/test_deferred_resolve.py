@@ -209,6 +209,18 @@ def test_switch_interval_is_never_raised(
     assert sys.getswitchinterval() == pytest.approx(20e-6)
 
 
+def test_an_interval_beyond_a_float_is_refused_at_start_up(
+    make_speculator, scripted_server, monkeypatch, switch_interval
+):
+    """Not an OverflowError on the first deferred step, mid-serving."""
+    monkeypatch.setenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "9" * 400)
+    speculator, _ = make_speculator(scripted_server.address)
+    with pytest.raises(
+        ValueError, match=r"VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US=9+ must be at most"
+    ):
+        install_deferred_resolution(speculator)
+
+
 @pytest.fixture
 def no_cuda_runtime(monkeypatch):
     """As on ROCm: the device is "cuda" but no CUDA runtime can be loaded."""
