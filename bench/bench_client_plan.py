@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_remote_rpc import ROWS_PER_REQUEST, WIDTH, K, free_port, start_server  # noqa: E402
-from cli_types import non_negative_int, output_file, positive_int
+from cli_types import device, non_negative_int, output_file, positive_int, run
 
 from vllm.k3_draft.client import DraftClient, ServerRequirements  # noqa: E402
 from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest  # noqa: E402
@@ -117,12 +117,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=positive_int, default=300)
     parser.add_argument("--warmup", type=non_negative_int, default=30)
-    parser.add_argument("--device", default="cpu", help="the server's engine device")
+    parser.add_argument(
+        "--device", type=device, default="cpu", help="the server's engine device"
+    )
     parser.add_argument("--enable-cuda-graph", action="store_true")
     parser.add_argument(
         "--out", type=output_file, help="write the results as JSON here"
     )
     args = parser.parse_args()
+    if args.enable_cuda_graph and not args.device.startswith("cuda"):
+        parser.error("--enable-cuda-graph needs a CUDA --device")
     address = f"tcp://127.0.0.1:{free_port()}"
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
     proc = start_server(args, address, free_port(), log)
@@ -171,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

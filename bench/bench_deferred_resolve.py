@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_remote_rpc import ENGINE_TIMINGS, ROWS_PER_REQUEST, WIDTH, K
-from cli_types import output_file, positive_int
+from cli_types import existing_file, output_file, positive_float, positive_int, run
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft.client import DraftClient, ServerRequirements
@@ -369,19 +369,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=60)
     parser.add_argument("--gate-iters", type=positive_int, default=2000)
-    parser.add_argument("--t-ms", type=float, nargs="+", default=[2.0, 10.0])
-    parser.add_argument("--h-ms", type=float, nargs="+", default=[1.0, 4.0])
-    parser.add_argument("--l-ms", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--t-ms", type=positive_float, nargs="+", default=[2.0, 10.0])
+    parser.add_argument("--h-ms", type=positive_float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--l-ms", type=positive_float, nargs="+", default=[1.0, 4.0])
     parser.add_argument(
         "--switch-interval-us",
-        type=float,
+        type=positive_float,
         nargs="+",
         default=[5000.0, 50.0],
         help="interpreter switch intervals to run the grid at",
     )
-    parser.add_argument("--gate", type=Path, default=GATE_PATH)
+    parser.add_argument("--gate", type=existing_file, default=GATE_PATH)
     parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
+    if args.steps < 3:
+        # The deferred period drops its first two steps (the pipeline fills).
+        parser.error("--steps: give at least 3")
     if not torch.cuda.is_available():
         sys.exit("bench_deferred_resolve needs a CUDA GPU")
     gate_module = load_stream_gate(args.gate)
@@ -464,4 +467,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

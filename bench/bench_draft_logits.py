@@ -57,8 +57,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from cli_types import non_negative_int, output_file, positive_int
+from cli_types import (
+    device,
+    int_at_most,
+    non_negative_int,
+    output_file,
+    positive_int,
+    run,
+)
 
+from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft import protocol
 from vllm.k3_draft.client import DraftClient
 from vllm.k3_draft.logits_codec import LogitsFormat, decode_logits
@@ -109,11 +117,25 @@ def start_server(
     ]
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
-    assert proc.stdout is not None
-    if proc.stdout.readline().strip() != "serving":
-        raise RuntimeError("the table server did not start")
-    return proc
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=log, env=env, text=True
+        )
+        assert proc.stdout is not None
+        try:
+            if proc.stdout.readline().strip() == "serving":
+                # Its log from here on (none while it serves) is not kept.
+                return proc
+            proc.wait()
+            log.seek(0)
+            lines = log.read().decode(errors="replace").strip().splitlines()
+            # Its refusal is its last line (the exception or a usage error).
+            reason = lines[-1] if lines else f"exit status {proc.returncode}"
+            raise SystemExit(f"the table server did not start: {reason}")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
 
 
 class Case:
@@ -327,7 +349,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=positive_int, default=200)
     parser.add_argument("--warmup", type=non_negative_int, default=20)
-    parser.add_argument("--device", default="cpu", help="the draft logits' device")
+    parser.add_argument(
+        "--device", type=device, default="cpu", help="the draft logits' device"
+    )
     parser.add_argument(
         "--no-consume",
         action="store_true",
@@ -335,7 +359,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--server-busy-poll-us",
-        type=non_negative_int,
+        type=int_at_most(MAX_BUSY_POLL_US),
         default=0,
         help="the server's busy poll after each reply (microseconds)",
     )
@@ -439,4 +463,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

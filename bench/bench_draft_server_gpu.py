@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 import zmq
 from bench_remote_rpc import Case, free_port, reference_engine, start_server
-from cli_types import non_negative_int, output_file, positive_int
+from cli_types import (
+    device,
+    existing_dir,
+    non_negative_int,
+    output_file,
+    positive_int,
+    run,
+)
 
 from vllm.k3_draft.protocol import TIMING_FIELDS
 
@@ -112,22 +119,31 @@ def _save_log(args: argparse.Namespace, graphs: bool, text: bytes) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device, default="cuda")
     parser.add_argument("--iters", type=positive_int, default=200)
     parser.add_argument("--warmup", type=non_negative_int, default=20)
     parser.add_argument(
         "--out", type=output_file, help="write the results as JSON here"
     )
-    parser.add_argument("--log-dir", help="keep the server logs here")
+    parser.add_argument(
+        "--log-dir", type=existing_dir, help="keep the server logs here"
+    )
     parser.add_argument(
         "--latent-attention",
         action="store_true",
         help="the reference engine's multi-head latent attention (MLA)",
     )
     production = parser.add_argument_group("production engine")
-    production.add_argument("--draft-model", help="draft checkpoint directory")
-    production.add_argument("--target-model", help="target checkpoint directory")
+    production.add_argument(
+        "--draft-model", type=existing_dir, help="draft checkpoint directory"
+    )
+    production.add_argument(
+        "--target-model", type=existing_dir, help="target checkpoint directory"
+    )
     args = parser.parse_args()
+    if not args.device.startswith("cuda"):
+        # The graph run needs one; the eager run alone is not this comparison.
+        parser.error("--device: CUDA graphs against eager need a CUDA device")
     if bool(args.draft_model) != bool(args.target_model):
         parser.error("--draft-model and --target-model go together")
     if args.draft_model and args.latent_attention:
@@ -150,4 +166,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -42,7 +42,7 @@ import triton.runtime.errors
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layer5"))
-from cli_types import output_file
+from cli_types import existing_file, output_file
 from k3_standalone import (  # noqa: E402
     load_fused_verify,
     load_upstream_decode,
@@ -311,12 +311,14 @@ def _table(rows: list[dict], copy_gbps: float, matmul_tflops: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--upstream-kernel", type=Path, required=True)
+    parser.add_argument("--upstream-kernel", type=existing_file, required=True)
     parser.add_argument("--out", type=output_file, required=True)
     parser.add_argument(
         "--sweep", action="store_true", help="also time tilings on target cases"
     )
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused_mla_verify needs a CUDA GPU")
 
     torch.manual_seed(0)
     ops = load_fused_verify()

@@ -33,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -46,8 +47,16 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-from cli_types import non_negative_int, output_file, positive_int
+from cli_types import (
+    device,
+    int_at_most,
+    non_negative_int,
+    output_file,
+    positive_int,
+    run,
+)
 
+from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft import protocol
 
 WIDTH = 3 * 7168
@@ -133,17 +142,25 @@ def start_server(
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{status_port}/readyz"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"draft server exited:\n{log.read().decode()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("draft server did not become ready")
+    try:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                log.seek(0)
+                lines = log.read().decode(errors="replace").strip().splitlines()
+                # Its refusal is its last line (a usage error or the reason).
+                reason = lines[-1] if lines else f"exit status {proc.returncode}"
+                raise SystemExit(f"the draft server did not start: {reason}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return proc
+            except OSError:
+                time.sleep(0.1)
+        raise SystemExit("the draft server did not become ready")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 class Case:
@@ -247,11 +264,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=positive_int, default=2000)
     parser.add_argument("--warmup", type=non_negative_int, default=200)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--enable-cuda-graph", action="store_true")
     parser.add_argument(
         "--server-busy-poll-us",
-        type=non_negative_int,
+        type=int_at_most(MAX_BUSY_POLL_US),
         default=0,
         help="the server's busy poll after each reply (microseconds)",
     )
@@ -260,8 +277,12 @@ def main() -> None:
     )
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.enable_cuda_graph and not args.device.startswith("cuda"):
+        parser.error("--enable-cuda-graph needs a CUDA --device")
     if args.raw_echo:
-        raw_echo(args.raw_echo)
+        # A Ctrl-C reaches the client too: it says so, and stops this echo.
+        with contextlib.suppress(KeyboardInterrupt):
+            raw_echo(args.raw_echo)
         return
     server_address = f"tcp://127.0.0.1:{free_port()}"
     raw_address = f"tcp://127.0.0.1:{free_port()}"
@@ -331,4 +352,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -6,6 +6,9 @@ error before anything starts, not a traceback after the run."""
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -23,6 +26,69 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def int_at_most(maximum: int) -> Callable[[str], int]:
+    """A non-negative integer of at most ``maximum``."""
+
+    def parse(text: str) -> int:
+        value = non_negative_int(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number")
+    return value
+
+
+def device(text: str) -> str:
+    """A device the draft servers run on: ``cpu`` or ``cuda[:N]`` (whether
+    that CUDA device exists is the server's to say)."""
+    import torch
+
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device type {parsed.type} unsupported")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    return path
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a benchmark's ``main``: Ctrl-C ends it with one line (exit 130),
+    after its own clean-up, not a traceback."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
 def output_file(text: str) -> Path:
     """A file to write at the end: its folder must exist now."""
     path = Path(text)
@@ -36,3 +102,10 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None

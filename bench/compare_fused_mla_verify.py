@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--out", type=output_file, required=True)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("compare_fused_mla_verify needs a CUDA GPU")
     modules: dict[str, ModuleType] = {}
     for spec in args.variants:
         name, sep, path = spec.partition("=")

@@ -1007,12 +1007,24 @@ def run_world(n: int, server: Any, workdir: Path, timeout_s: float) -> dict[str,
     return result
 
 
+def _out_path(text: str) -> Path:
+    """A JSON file to write after the run (its missing folders are made
+    then): refused now if it is a folder or cannot be made there."""
+    path = Path(text)
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write a file at {text!r}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--world-sizes", default="1,2", help="comma-separated N (default 1,2)"
     )
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--out", type=_out_path, help="write the JSON report here")
     parser.add_argument(
         "--timeout", type=float, default=300, help="seconds per world size"
     )
