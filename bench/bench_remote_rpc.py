@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -280,13 +279,15 @@ def main() -> None:
     if args.enable_cuda_graph and not args.device.startswith("cuda"):
         parser.error("--enable-cuda-graph needs a CUDA --device")
     if args.raw_echo:
-        # A Ctrl-C reaches the client too: it says so, and stops this echo.
-        with contextlib.suppress(KeyboardInterrupt):
-            raw_echo(args.raw_echo)
+        raw_echo(args.raw_echo)
         return
     server_address = f"tcp://127.0.0.1:{free_port()}"
     raw_address = f"tcp://127.0.0.1:{free_port()}"
-    echo = subprocess.Popen([sys.executable, __file__, "--raw-echo", raw_address])
+    # Its own session: a Ctrl-C while it imports would print its traceback;
+    # this process stops it on every way out.
+    echo = subprocess.Popen(
+        [sys.executable, __file__, "--raw-echo", raw_address], start_new_session=True
+    )
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
     try:
         proc = start_server(
@@ -303,13 +304,13 @@ def main() -> None:
         raise
     ctx = zmq.Context()
     sockets = []
-    for address in (server_address, raw_address):
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        sockets.append(sock)
-    server, raw = sockets
     try:
+        for address in (server_address, raw_address):
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sockets.append(sock)
+        server, raw = sockets
         ping = protocol.encode_header(protocol.request_header(protocol.OP_PING))
         results = [measure(args, server, raw, "ping", lambda: [ping])]
         for batch in (1, 8):
