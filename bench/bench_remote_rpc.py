@@ -283,12 +283,12 @@ def main() -> None:
         return
     server_address = f"tcp://127.0.0.1:{free_port()}"
     raw_address = f"tcp://127.0.0.1:{free_port()}"
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
     # Its own session: a Ctrl-C while it imports would print its traceback;
     # this process stops it on every way out.
     echo = subprocess.Popen(
         [sys.executable, __file__, "--raw-echo", raw_address], start_new_session=True
     )
-    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
     try:
         proc = start_server(
             args,

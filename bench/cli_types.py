@@ -45,13 +45,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def non_negative_float(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number")
-    return value
-
-
 def device(text: str) -> str:
     """A device the draft servers run on: ``cpu`` or ``cuda[:N]`` (whether
     that CUDA device exists is the server's to say)."""
