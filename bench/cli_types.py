@@ -46,16 +46,11 @@ def positive_float(text: str) -> float:
 
 
 def device(text: str) -> str:
-    """A device the draft servers run on: ``cpu`` or ``cuda[:N]`` (whether
-    that CUDA device exists is the server's to say)."""
-    import torch
+    """A ``--device`` the draft server parses (whether that CUDA device
+    exists is the server's to say when it starts)."""
+    from vllm.entrypoints.k3_dspark_standalone import parse_device
 
-    try:
-        parsed = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"device type {parsed.type} unsupported")
+    parse_device(text)
     return text
 
 

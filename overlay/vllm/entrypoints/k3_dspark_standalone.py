@@ -150,7 +150,8 @@ def _existing_file(text: str) -> str:
     return text
 
 
-def _device(text: str) -> torch.device:
+def parse_device(text: str) -> torch.device:
+    """``--device``: ``cpu`` or ``cuda[:N]`` with ``N`` as written."""
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -275,7 +276,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     device.add_argument(
         "--device",
-        type=_device,
+        type=parse_device,
         default=torch.device("cuda"),
         help="cpu, cuda or cuda:N (default: %(default)s)",
     )
