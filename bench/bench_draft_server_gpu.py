@@ -32,7 +32,14 @@ from typing import Any
 
 import numpy as np
 import zmq
-from bench_remote_rpc import Case, free_port, reference_engine, start_server
+from bench_remote_rpc import (
+    Case,
+    connect,
+    free_port,
+    no_answer,
+    reference_engine,
+    start_server,
+)
 from cli_types import (
     device,
     existing_dir,
@@ -48,6 +55,9 @@ MODEL = ["--vocab-size", "163840", "--hidden-size", "1024", "--num-layers", "2"]
 MODEL += ["--num-heads", "8"]
 WINDOW = ["--window-size", "1024"]
 BATCHES = (1, 2, 4, 8)
+# A draft server that stopped answering ends the run (a graphed step takes
+# milliseconds).
+REPLY_TIMEOUT_S = 60.0
 DEPTHS = (1, 2, 3, 4)
 
 
@@ -59,9 +69,7 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
             server_args, address, free_port(), log, engine_flags(args), max(DEPTHS)
         )
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
+        sock = connect(ctx, address, REPLY_TIMEOUT_S)
         shapes: dict[str, Any] = {}
         try:
             for batch in BATCHES:
@@ -89,6 +97,8 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
                         [json.dumps({"protocol": 2, "op": "CLEAR"}).encode()]
                     )
                     sock.recv()
+        except zmq.Again:
+            raise no_answer(REPLY_TIMEOUT_S, {"the draft server": proc}) from None
         finally:
             sock.close()
             ctx.term()

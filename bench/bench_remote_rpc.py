@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +52,7 @@ from cli_types import (
     int_at_most,
     non_negative_int,
     output_file,
+    positive_float,
     positive_int,
     run,
 )
@@ -200,6 +202,31 @@ class Case:
         ]
 
 
+def connect(ctx: zmq.Context, address: str, timeout_s: float) -> zmq.Socket:
+    """A REQ socket to ``address`` whose sends and receives give up after
+    ``timeout_s`` with ``zmq.Again``: a process that stopped answering ends
+    the run instead of hanging it."""
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1e3))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1e3))
+    sock.connect(address)
+    return sock
+
+
+def no_answer(timeout_s: float, processes: dict[str, subprocess.Popen]) -> SystemExit:
+    """The one line that ends a run whose ``processes`` (by name) stopped
+    answering: which of them exited, and how."""
+    exited = [
+        f"{name} exited (status {proc.poll()})"
+        for name, proc in processes.items()
+        if proc.poll() is not None
+    ]
+    if not exited:
+        exited = [" or ".join(processes) + " stopped answering"]
+    return SystemExit(f"no answer within {timeout_s:g} s: " + "; ".join(exited))
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     array = np.asarray(values) * 1e6
     return {
@@ -274,11 +301,20 @@ def main() -> None:
     parser.add_argument(
         "--out", type=output_file, help="write the results as JSON here"
     )
+    parser.add_argument(
+        "--reply-timeout-s",
+        type=positive_float,
+        default=60.0,
+        help="give up when the draft server or the raw echo has not answered "
+        "for this long (default: %(default)s)",
+    )
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.enable_cuda_graph and not args.device.startswith("cuda"):
         parser.error("--enable-cuda-graph needs a CUDA --device")
     if args.raw_echo:
+        # The benchmark stops it with SIGTERM: no line of its own.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raw_echo(args.raw_echo)
         return
     server_address = f"tcp://127.0.0.1:{free_port()}"
@@ -306,16 +342,17 @@ def main() -> None:
     sockets = []
     try:
         for address in (server_address, raw_address):
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            sockets.append(sock)
+            sockets.append(connect(ctx, address, args.reply_timeout_s))
         server, raw = sockets
         ping = protocol.encode_header(protocol.request_header(protocol.OP_PING))
         results = [measure(args, server, raw, "ping", lambda: [ping])]
         for batch in (1, 8):
             case = Case(batch, f"b{batch}")
             results.append(measure(args, server, raw, f"propose b{batch}", case.frames))
+    except zmq.Again:
+        raise no_answer(
+            args.reply_timeout_s, {"the draft server": proc, "the raw echo": echo}
+        ) from None
     finally:
         for sock in sockets:
             sock.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,14 +68,28 @@ def existing_file(text: str) -> Path:
     return path
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread (a BaseException, like
+    KeyboardInterrupt, so that the benchmark's clean-up runs)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def run(main: Callable[[], None]) -> None:
-    """Run a benchmark's ``main``: Ctrl-C ends it with one line (exit 130),
-    after its own clean-up, not a traceback."""
+    """Run a benchmark's ``main``: Ctrl-C and SIGTERM end it with one line
+    (exit 130, 143) after its own clean-up (the processes it started
+    stopped), not a traceback."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        sys.exit(143)
 
 
 def output_file(text: str) -> Path:

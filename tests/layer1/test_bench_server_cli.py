@@ -3,14 +3,17 @@
 """The benchmarks that start layer 1's draft server (``bench/``), run as an
 operator runs them: a value the server would refuse is a one-line usage
 error before anything starts, a refusal of the server itself is its one line
-and exit status 1, and Ctrl-C is one line: no traceback, no JSON written, no
-process left behind."""
+and exit status 1, as is a server that stops answering mid-run, and Ctrl-C
+and SIGTERM are one line: no traceback, no JSON written, no process left
+behind (these read ``/proc``)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -105,38 +108,127 @@ def _running(pid: int) -> bool:
     return stat is not None and stat[0] != "Z"
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_ctrl_c_is_one_line_and_leaves_no_process(tmp_path):
-    out = tmp_path / "out.json"
+@pytest.fixture
+def started():
+    """Every process a test's benchmark started, killed at teardown if the
+    test failed with any still running."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _start_rpc_bench(out: Path, started: list[int], *args: str) -> subprocess.Popen:
+    """``bench_remote_rpc.py`` as a terminal runs it (its own process group,
+    SIGINT not ignored), once its two processes (the raw echo and the draft
+    server) have started; their pids are added to ``started``."""
     proc = subprocess.Popen(
         [sys.executable, str(BENCH / "bench_remote_rpc.py"), "--iters", "1000000"]
-        + ["--out", str(out)],
+        + ["--out", str(out), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        # As a terminal runs it: SIGINT is not ignored.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    while len(_children(proc.pid)) < 2 and proc.poll() is None:
+        time.sleep(0.01)
+    started.extend(_children(proc.pid))
+    return proc
+
+
+def _finish(proc: subprocess.Popen) -> tuple[str, str]:
     try:
-        # Both of its processes (the raw echo and the draft server) started:
-        # the run is under way.
-        while len(_children(proc.pid)) < 2 and proc.poll() is None:
-            time.sleep(0.01)
-        children = _children(proc.pid)
-        # A terminal's Ctrl-C goes to the whole foreground process group.
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
+        return proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stdout + stderr
-    assert stderr.splitlines() == ["interrupted"]
-    assert not out.exists()
-    # The draft server shares the group, so the Ctrl-C stops it too, once
-    # its imports are done; the raw echo, in a session of its own, only the
-    # benchmark stops. None may stay running.
+
+
+def _assert_stopped(children: list[int]) -> None:
+    """None of ``children`` may stay running (bounded wait: a child that got
+    the signal too may still be stopping)."""
     deadline = time.monotonic() + 120
     while any(map(_running, children)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if _running(pid)]
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_process(tmp_path, started):
+    out = tmp_path / "out.json"
+    proc = _start_rpc_bench(out, started)
+    # A terminal's Ctrl-C goes to the whole foreground process group: the
+    # draft server stops by itself too, the raw echo (a session of its own)
+    # only by the benchmark.
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 130, stdout + stderr
+    assert stderr.splitlines() == ["interrupted"]
+    assert not out.exists()
+    _assert_stopped(started)
+
+
+def test_sigterm_is_one_line_and_stops_the_processes_it_started(tmp_path, started):
+    """A supervisor's SIGTERM reaches the benchmark alone: it must stop the
+    draft server and the raw echo it started."""
+    out = tmp_path / "out.json"
+    proc = _start_rpc_bench(out, started)
+    _measuring(proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 143, stdout + stderr
+    assert stderr.splitlines() == ["terminated"]
+    assert not out.exists()
+    _assert_stopped(started)
+
+
+def _draft_server(bench: subprocess.Popen) -> tuple[int, int]:
+    """The pid and status port of the benchmark's draft server, once it runs
+    as one (a child forked but not yet executed still shows the benchmark's
+    command line)."""
+    while bench.poll() is None:
+        for pid in _children(bench.pid):
+            try:
+                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            except OSError:
+                continue
+            args = argv.split(b"\0")
+            if b"vllm.entrypoints.k3_dspark_standalone" in args:
+                return pid, int(args[args.index(b"--status-port") + 1])
+        time.sleep(0.01)
+    raise AssertionError(f"the benchmark ended first: {bench.communicate()}")
+
+
+def _measuring(bench: subprocess.Popen) -> int:
+    """The pid of the benchmark's draft server, once the benchmark's
+    requests reach it (its start-up is over: it measures PINGs first)."""
+    pid, port = _draft_server(bench)
+    url = f"http://127.0.0.1:{port}/v1/status"
+    while bench.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                # Until the model is loaded the status has no counters.
+                if json.load(reply).get("requests_by_op", {}).get("PING"):
+                    return pid
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the benchmark ended first: {bench.communicate()}")
+
+
+def test_a_draft_server_that_stops_answering_ends_the_run_in_one_line(
+    tmp_path, started
+):
+    out = tmp_path / "out.json"
+    proc = _start_rpc_bench(out, started, "--reply-timeout-s", "2")
+    try:
+        os.kill(_measuring(proc), signal.SIGKILL)
+    finally:
+        stdout, stderr = _finish(proc)
+    assert proc.returncode == 1, stdout + stderr
+    assert stderr.splitlines() == [
+        "no answer within 2 s: the draft server exited (status -9)"
+    ]
+    assert not out.exists()
+    _assert_stopped(started)
