@@ -11,7 +11,13 @@ import urllib.error
 import urllib.request
 
 import pytest
-from k3_layer1_server import DEFAULT_OPTIONS, entry, free_tcp_port, propose_message
+from k3_layer1_server import (
+    DEFAULT_OPTIONS,
+    RawClient,
+    entry,
+    free_tcp_port,
+    propose_message,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm.k3_draft.status import StatusServer, StatusState
@@ -119,24 +125,26 @@ def test_metrics_are_prometheus_text(draft_server, raw_client):
 
 
 def test_metrics_export_every_ops_counters_before_its_first_error(
-    draft_server, raw_client
+    draft_server_factory,
 ):
     """Each op's request and error counters are exported at 0 from the start
     (prometheus_client's advice for labelled metrics): a series that appears
     only with its first error hides that error from rate() and increase()."""
-    raw_client.call("PING")
-    body = draft_server.http("/metrics")[1].decode()
+    server = draft_server_factory()
+    client = RawClient(server.address)
+    try:
+        client.call("PING")
+    finally:
+        client.close()
+    body = server.http("/metrics")[1].decode()
     families = {f.name: f for f in text_string_to_metric_families(body)}
-    ops = {"PING", "PROPOSE", "RESET", "FREE", "CLEAR", "RECONNECT", "INVALID"}
-    for name in ("k3_draft_requests", "k3_draft_errors"):
-        series = {
-            s.labels["op"]: s.value
-            for s in families[name].samples
-            if s.name == name + "_total"
-        }
-        assert series.keys() == ops, name
-    errors = {s.labels["op"]: s.value for s in families["k3_draft_errors"].samples}
-    assert errors["PING"] == 0
+    ops = ("CLEAR", "FREE", "INVALID", "PING", "PROPOSE", "RECONNECT", "RESET")
+    series = {
+        name: {s.labels["op"]: s.value for s in families[name].samples}
+        for name in ("k3_draft_requests", "k3_draft_errors")
+    }
+    assert series["k3_draft_requests"] == {op: float(op == "PING") for op in ops}
+    assert series["k3_draft_errors"] == dict.fromkeys(ops, 0.0)
 
 
 def test_metrics_count_what_the_status_counts(draft_server, raw_client):
