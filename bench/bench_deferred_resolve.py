@@ -50,6 +50,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -398,9 +399,12 @@ def main() -> None:
     )
 
     spawn = mp.get_context("spawn")
+    # A folder of this run's own: a run beside another would find its
+    # socket paths in use.
+    sockets = tempfile.TemporaryDirectory(prefix="k3_bench_deferred_resolve_")
     servers, drafters = [], {}
     for index, l_ms in enumerate(args.l_ms):
-        address = f"ipc:///tmp/k3_bench_deferred_resolve_{index}.ipc"
+        address = f"ipc://{sockets.name}/{index}.ipc"
         ready = spawn.Event()
         server = spawn.Process(
             target=delay_server, args=(address, l_ms, ready), daemon=True
@@ -453,6 +457,7 @@ def main() -> None:
     for server in servers:
         server.terminate()
         server.join(10)
+    sockets.cleanup()
     if failures:
         sys.exit(f"{failures} round trips returned no drafts")
     result = {

@@ -62,7 +62,9 @@ from cli_types import (
     int_at_most,
     non_negative_int,
     output_file,
+    popen,
     positive_int,
+    refusal,
     run,
 )
 
@@ -118,20 +120,14 @@ def start_server(
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, env=env, text=True
-        )
+        proc = popen(command, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         assert proc.stdout is not None
         try:
             if proc.stdout.readline().strip() == "serving":
                 # Its log from here on (none while it serves) is not kept.
                 return proc
             proc.wait()
-            log.seek(0)
-            lines = log.read().decode(errors="replace").strip().splitlines()
-            # Its refusal is its last line (the exception or a usage error).
-            reason = lines[-1] if lines else f"exit status {proc.returncode}"
-            raise SystemExit(f"the table server did not start: {reason}")
+            raise SystemExit(f"the table server did not start: {refusal(proc, log)}")
         except BaseException:
             proc.kill()
             proc.wait()

@@ -52,8 +52,10 @@ from cli_types import (
     int_at_most,
     non_negative_int,
     output_file,
+    popen,
     positive_float,
     positive_int,
+    refusal,
     run,
 )
 
@@ -141,16 +143,14 @@ def start_server(
         command.append("--enable-cuda-graph")
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{status_port}/readyz"
     try:
         for _ in range(1200):
             if proc.poll() is not None:
-                log.seek(0)
-                lines = log.read().decode(errors="replace").strip().splitlines()
-                # Its refusal is its last line (a usage error or the reason).
-                reason = lines[-1] if lines else f"exit status {proc.returncode}"
-                raise SystemExit(f"the draft server did not start: {reason}")
+                raise SystemExit(
+                    f"the draft server did not start: {refusal(proc, log)}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=2) as reply:
                     if reply.status == 200:
@@ -322,22 +322,12 @@ def main() -> None:
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
     # Its own session: a Ctrl-C while it imports would print its traceback;
     # this process stops it on every way out.
-    echo = subprocess.Popen(
+    echo = popen(
         [sys.executable, __file__, "--raw-echo", raw_address], start_new_session=True
     )
-    try:
-        proc = start_server(
-            args,
-            server_address,
-            free_port(),
-            log,
-            busy_poll_us=args.server_busy_poll_us,
-        )
-    except BaseException:
-        # The echo would outlive this process (and hold its output pipe).
-        echo.terminate()
-        echo.wait()
-        raise
+    proc = start_server(
+        args, server_address, free_port(), log, busy_poll_us=args.server_busy_poll_us
+    )
     ctx = zmq.Context()
     sockets = []
     try:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 
 def positive_int(text: str) -> int:
@@ -73,15 +75,58 @@ class Terminated(BaseException):
     KeyboardInterrupt, so that the benchmark's clean-up runs)."""
 
 
+# While ``popen`` starts a process, Ctrl-C and SIGTERM are noted here and
+# raised once the process is recorded in ``_started``.
+_held: list[type[BaseException]] | None = None
+_started: list[subprocess.Popen] = []
+
+
+def _raise(kind: type[BaseException]) -> None:
+    if _held is None:
+        raise kind
+    _held.append(kind)
+
+
 def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
+    _raise(Terminated)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    _raise(KeyboardInterrupt)
+
+
+def popen(command: list[str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen``, with Ctrl-C and SIGTERM held until the process
+    is recorded: ``run`` stops every process started so that is still
+    running when the benchmark ends, so none outlives a signal that came
+    while it started."""
+    global _held
+    _held = []
+    try:
+        proc = subprocess.Popen(command, **kwargs)
+        _started.append(proc)
+    finally:
+        held, _held = _held, None
+    if held:
+        raise held[0]
+    return proc
+
+
+def refusal(proc: subprocess.Popen, log: IO[bytes]) -> str:
+    """Why ``proc``, which has exited, did not start: the last line of its
+    ``log`` (a usage error or the exception), else its exit status."""
+    log.seek(0)
+    lines = log.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"exit status {proc.returncode}"
 
 
 def run(main: Callable[[], None]) -> None:
     """Run a benchmark's ``main``: Ctrl-C and SIGTERM end it with one line
-    (exit 130, 143) after its own clean-up (the processes it started
-    stopped), not a traceback."""
+    (exit 130, 143) after its own clean-up, not a traceback; no process it
+    started through ``popen`` is left running."""
     signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         main()
     except KeyboardInterrupt:
@@ -90,6 +135,11 @@ def run(main: Callable[[], None]) -> None:
     except Terminated:
         print("terminated", file=sys.stderr)
         sys.exit(143)
+    finally:
+        for proc in _started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def output_file(text: str) -> Path:

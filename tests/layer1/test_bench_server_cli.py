@@ -232,3 +232,50 @@ def test_a_draft_server_that_stops_answering_ends_the_run_in_one_line(
     ]
     assert not out.exists()
     _assert_stopped(started)
+
+
+_SIGNALLED_WHILE_STARTING = """
+import os, signal, subprocess, sys, time
+sys.path.insert(0, {bench!r})
+from cli_types import popen, run
+
+def started_child():
+    # In the child, before it runs its command: the benchmark is still
+    # inside popen, waiting for it.
+    with open({pid_file!r}, "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    os.kill(os.getppid(), signal.{signal})
+
+def main():
+    popen([sys.executable, "-c", "import time; time.sleep(300)"],
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+          preexec_fn=started_child)
+    time.sleep(300)
+
+run(main)
+"""
+
+
+@pytest.mark.parametrize(
+    "name, status, line",
+    [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")],
+)
+def test_a_signal_while_a_process_starts_stops_that_process_too(
+    tmp_path, started, name, status, line
+):
+    """A signal that comes while the benchmark is inside ``Popen`` (its server
+    forked, not yet running its command) must not leave that server behind."""
+    pid_file = tmp_path / "child.pid"
+    script = _SIGNALLED_WHILE_STARTING.format(
+        bench=str(BENCH), pid_file=str(pid_file), signal=name
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+    finally:
+        if pid_file.exists():
+            started.append(int(pid_file.read_text()))
+    assert result.returncode == status, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [line]
+    _assert_stopped(started)
