@@ -16,7 +16,8 @@ from k3stack import StackError
 IDENTITY = ("vLLM K3 overlay", "k3-overlay@localhost")
 EPOCH = "1980-01-01T00:00:00+0000"
 # The caller's variables that would choose another repository or bring in
-# configuration and diff options of their own.
+# configuration, diff options, or (for the repositories apply creates) an
+# object format and a template (hooks, config) of their own.
 SCRUBBED = (
     "GIT_DIR",
     "GIT_WORK_TREE",
@@ -30,6 +31,8 @@ SCRUBBED = (
     "GIT_CONFIG_COUNT",
     "GIT_DIFF_OPTS",
     "GIT_EXTERNAL_DIFF",
+    "GIT_DEFAULT_HASH",
+    "GIT_TEMPLATE_DIR",
 )
 
 

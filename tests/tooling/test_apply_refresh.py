@@ -148,6 +148,27 @@ def test_refresh_right_after_apply_changes_nothing(filled: Synthetic) -> None:
     assert snapshot(filled) == before
 
 
+def test_refresh_after_an_apply_under_the_callers_git_template_changes_nothing(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A template whose hook signs off every commit message (as a company's
+    # template or a `git init` wrapper's): the layer commits must still say
+    # what the patches say, or refresh rewrites every patch and build refuses
+    # the tree's pristine commit.
+    hooks = tmp_path / "template" / "hooks"
+    hooks.mkdir(parents=True)
+    hook = hooks / "prepare-commit-msg"
+    hook.write_text('#!/bin/sh\necho "Signed-off-by: ci <ci@example>" >> "$1"\n')
+    hook.chmod(0o755)
+    monkeypatch.setenv("GIT_TEMPLATE_DIR", str(tmp_path / "template"))
+    filled.apply()
+    before = snapshot(filled)
+    assert refresh(filled.stack(), filled.tree) == []
+    assert snapshot(filled) == before
+    log = git(filled.tree, "log", "--format=%B", "upstream").strip()
+    assert log == "vllm 1.0 pristine"
+
+
 def test_refresh_after_apply_keeps_a_patch_with_git_s_short_index_lines(
     filled: Synthetic,
 ) -> None:

@@ -218,6 +218,19 @@ def test_the_lock_records_inputs_tree_and_artifacts(
     assert len(lock["tree"]["package_trees"]["vllm"]) == 40
 
 
+def test_the_lock_is_the_same_whatever_object_format_the_caller_s_git_defaults_to(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIT_DEFAULT_HASH is no configuration: scrubbing the caller's config
+    # leaves it, and the tree hashes the lock records would be SHA-256 ones.
+    filled.apply()
+    first = build_into(filled, tmp_path / "a").lock.read_bytes()
+    monkeypatch.setenv("GIT_DEFAULT_HASH", "sha256")
+    filled.apply()
+    second = build_into(filled, tmp_path / "b").lock.read_bytes()
+    assert second == first
+
+
 def test_the_lock_records_the_image_recipe(filled: Synthetic, tmp_path: Path) -> None:
     filled.apply()
     result = build_into(filled, tmp_path)
