@@ -91,6 +91,9 @@ def _run(
     }
     env |= {
         "GIT_CONFIG_NOSYSTEM": "1",
+        # The system's gitattributes (text=auto, eol, ident) would rewrite
+        # the upstream files apply commits; the user's file is set aside below.
+        "GIT_ATTR_NOSYSTEM": "1",
         "GIT_CONFIG_GLOBAL": os.devnull,
         "GIT_AUTHOR_NAME": IDENTITY[0],
         "GIT_AUTHOR_EMAIL": IDENTITY[1],
