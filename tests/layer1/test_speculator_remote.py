@@ -325,6 +325,66 @@ def test_one_curve_key_variable_without_the_other_is_refused_at_init(
         make_speculator(scripted_server.address)
 
 
+@pytest.fixture(scope="module")
+def curve_setup(tmp_path_factory):
+    """A CURVE draft server on loopback TCP with one authorized client, a plain
+    one, and key files: the server's, another server's, the authorized
+    client's and a client the server does not know."""
+    root = tmp_path_factory.mktemp("curve")
+    keys = {}
+    keys["server"], server_secret = zmq.auth.create_certificates(root, "server")
+    keys["other_server"], _ = zmq.auth.create_certificates(root, "other")
+    authorized = root / "authorized"
+    authorized.mkdir()
+    _, keys["client"] = zmq.auth.create_certificates(authorized, "client")
+    _, keys["unknown_client"] = zmq.auth.create_certificates(root, "unknown")
+    curve = DraftServerProcess(
+        root / "curve",
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        curve_secret_key=server_secret,
+        curve_authorized_keys=authorized,
+    ).start()
+    plain = DraftServerProcess(
+        root / "plain", f"tcp://127.0.0.1:{free_tcp_port()}"
+    ).start()
+    yield {"curve": curve.address, "plain": plain.address, **keys}
+    curve.stop()
+    plain.stop()
+
+
+@pytest.mark.parametrize(
+    "server, server_key, client_key, match",
+    [
+        ("plain", "server", "client", "does not use CURVE"),
+        ("curve", None, None, "requires CURVE"),
+        ("curve", "server", "unknown_client", "refused this verifier's CURVE key"),
+        ("curve", "other_server", "client", "VLLM_K3_DRAFT_CURVE_SERVER_KEY"),
+    ],
+    ids=["keys-to-a-plain-server", "no-keys", "unknown-client", "wrong-server-key"],
+)
+def test_curve_keys_the_server_refuses_fail_start_up_in_one_line(
+    make_speculator, monkeypatch, curve_setup, server, server_key, client_key, match
+):
+    """Keys that can never work (set for a server without CURVE, missing for
+    one with it, a client key the server does not authorize, another server's
+    key) are not an unreachable server that may come up later: the verifier
+    fails to start, saying which."""
+    for variable, key in (
+        ("VLLM_K3_DRAFT_CURVE_SERVER_KEY", server_key),
+        ("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", client_key),
+    ):
+        if key is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, str(curve_setup[key]))
+    # A final refusal ends the wait at once; the wrong server key's refusal
+    # is the last one seen when the timeout ends it.
+    timeout_ms = 5000 if server_key == "other_server" else 60_000
+    with pytest.raises(IncompatibleServerError, match=match) as info:
+        make_speculator(curve_setup[server], timeout_ms=timeout_ms)
+    assert "\n" not in str(info.value)
+
+
 def test_unreachable_server_starts_without_drafts(make_speculator):
     speculator, _ = make_speculator(
         f"tcp://127.0.0.1:{free_tcp_port()}", timeout_ms=200

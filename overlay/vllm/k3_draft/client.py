@@ -17,6 +17,13 @@ no reply of a server this engine has not checked is used. A server that does
 not advertise ``CAPABILITY_REPLY_SERVER_ID`` (a protocol-2 server of the
 previous release names itself in PONG only) is refused at the handshake.
 
+A server whose security handshake refuses this client (CURVE keys on one side
+only, a client key it does not authorize, another server's public key) never
+answers, like an unreachable one; but it never will. So the first socket
+watches its ZeroMQ handshakes (a socket monitor, until ``handshake`` ends),
+and ``handshake`` raises ``IncompatibleServerError`` naming the cause instead
+of ``TransportError``.
+
 ``on_sent``, when set, is called (and must not raise) on the calling thread
 after each request has been handed to ZeroMQ and before its reply is
 awaited: another thread may resume once this one only waits for the server.
@@ -26,11 +33,13 @@ awaited: another thread may resume once this one only waits for the server.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vllm.k3_draft.log import init_logger
 from vllm.k3_draft.protocol import (
@@ -56,6 +65,16 @@ MAX_REPLY_HEADER_BYTES = 16 << 20
 _TRANSPORTS = ("tcp", "ipc", "inproc")
 # ZeroMQ socket timeouts are C ints (milliseconds).
 _MAX_TIMEOUT_MS = 2**31 - 1
+# What the first socket's monitor reports: how its security handshakes end.
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+# The ZAP status of a client that the server's authenticator denies.
+_ZAP_DENIED = 400
+_CURVE_VARIABLES = "VLLM_K3_DRAFT_CURVE_SERVER_KEY, VLLM_K3_DRAFT_CURVE_CLIENT_KEY"
 
 
 class TransportError(RuntimeError):
@@ -236,17 +255,20 @@ class DraftClient:
         self.server_id: str | None = None
         self.on_sent: Callable[[], None] | None = None
         self._context = zmq.Context()
+        # The first socket's handshake monitor, until ``handshake`` ends.
+        self._monitor: zmq.Socket | None = None
         try:
-            self._socket = self._connect()
+            self._socket = self._connect(monitor=True)
         except zmq.ZMQError as exc:
             self._context.term()
             # strerror alone: pyzmq's message of a connect repeats the address.
             reason = zmq.strerror(exc.errno or 0)
             raise ValueError(f"cannot connect to {address!r}: {reason}") from None
 
-    def _connect(self) -> zmq.Socket:
-        """A fresh REQ socket connected to the server; on failure it is closed
-        before the error propagates (an open one keeps ``close``'s
+    def _connect(self, monitor: bool = False) -> zmq.Socket:
+        """A fresh REQ socket connected to the server (``monitor``: with
+        ``_monitor`` watching its handshakes from the first); on failure it is
+        closed before the error propagates (an open one keeps ``close``'s
         ``context.term()`` waiting for ever)."""
         socket = self._context.socket(zmq.REQ)
         try:
@@ -259,13 +281,25 @@ class DraftClient:
                 socket.curve_serverkey = self.curve.server_public
                 socket.curve_publickey = self.curve.client_public
                 socket.curve_secretkey = self.curve.client_secret
+            if monitor:
+                self._monitor = socket.get_monitor_socket(_HANDSHAKE_EVENTS)
             socket.connect(self.address)
         except BaseException:
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+                self._monitor = None
             socket.close(linger=0)
             raise
         return socket
 
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
     def _renew(self) -> None:
+        self._stop_monitor()
         self._socket.close(linger=0)
         self._socket = self._connect()
 
@@ -322,16 +356,94 @@ class DraftClient:
         """PING and check the server against ``needs``, waiting up to the RPC
         timeout; the replies that follow must come from that server. A server
         other than ``known_server_id`` that holds requests holds them for an
-        earlier verifier: CLEAR them (fresh epoch)."""
+        earlier verifier: CLEAR them (fresh epoch). On the first socket, a
+        security handshake that refuses this client raises
+        ``IncompatibleServerError`` (at once when it is final)."""
         self.start_handshake()
-        info = self.finish_handshake(needs, known_server_id, self.timeout_ms)
+        try:
+            refusal = self._await_pong()
+            info = self.finish_handshake(needs, known_server_id, 0)
+        finally:
+            self._stop_monitor()
         if info is None:
             self.abandon()
+            if refusal is not None:
+                raise IncompatibleServerError(
+                    f"the security handshake with the draft server {self.address} "
+                    f"failed: {refusal}"
+                )
             raise TransportError(
                 f"PING to the draft server {self.address} failed: no PONG "
                 f"within {self.timeout_ms} ms"
             )
         return info
+
+    def _await_pong(self) -> str | None:
+        """Wait up to the RPC timeout for the PING's reply, watching the
+        monitor if there is one; the last handshake refusal seen if no reply
+        came (a final one ends the wait), else None."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1e3
+        refusal: str | None = None
+        try:
+            while True:
+                wait_ms = max(0, round((deadline - time.monotonic()) * 1e3))
+                ready = dict(poller.poll(wait_ms))
+                if self._socket in ready:
+                    return None
+                if self._monitor is None or self._monitor not in ready:
+                    return refusal
+                while self._monitor.poll(0):
+                    event = recv_monitor_message(self._monitor)
+                    if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        refusal = None
+                        continue
+                    refusal, final = self._handshake_refusal(
+                        event["event"], event["value"]
+                    )
+                    if final:
+                        return refusal
+        except zmq.ZMQError as exc:
+            raise self._failed(OP_PING, exc) from exc
+
+    def _handshake_refusal(self, event: int, value: int) -> tuple[str | None, bool]:
+        """What a failed security handshake says about the configuration, and
+        whether it is final (ZeroMQ does not retry a protocol or an
+        authentication failure); None where it says nothing."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                return f"ZeroMQ protocol error {value:#x}", True
+            if self.curve is not None:
+                return (
+                    f"the server does not use CURVE, but {_CURVE_VARIABLES} are "
+                    "set: unset them, or start the server with --curve-secret-key "
+                    "and --curve-authorized-keys",
+                    True,
+                )
+            return (
+                f"the server requires CURVE: set {_CURVE_VARIABLES} to its public "
+                "certificate and this verifier's secret certificate",
+                True,
+            )
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if value == _ZAP_DENIED:
+                return (
+                    "the server refused this verifier's CURVE key "
+                    "(VLLM_K3_DRAFT_CURVE_CLIENT_KEY): add its public certificate "
+                    "to the server's --curve-authorized-keys and restart it",
+                    True,
+                )
+            return f"the server's authentication failed (ZAP status {value})", False
+        if self.curve is not None:
+            return (
+                "the server closed every CURVE handshake: is "
+                "VLLM_K3_DRAFT_CURVE_SERVER_KEY that server's public certificate?",
+                False,
+            )
+        return None, False
 
     def start_handshake(self) -> None:
         """Send a PING without waiting; ``finish_handshake`` takes its PONG."""
@@ -396,5 +508,6 @@ class DraftClient:
         self._renew()
 
     def close(self) -> None:
+        self._stop_monitor()
         self._socket.close(linger=0)
         self._context.term()
