@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -18,11 +18,18 @@ import torch
 import zmq
 import zmq.auth
 from k3_layer1_server import DraftServerProcess, free_tcp_port
-from toy_target import HIDDEN, NUM_AUX, make_input_batch, make_vllm_config
+from toy_target import (
+    HIDDEN,
+    NUM_AUX,
+    TokenTable,
+    make_input_batch,
+    make_vllm_config,
+)
 from tp_replay import RecordingRank0, ReplayingRank1
 
 from vllm.k3_draft.client import IncompatibleServerError
 from vllm.k3_draft.plan import RemotePlan
+from vllm.v1.worker.gpu.spec_decode import init_speculator
 from vllm.v1.worker.gpu.spec_decode.dspark import remote_speculator
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     ImmediateResolution,
@@ -383,6 +390,70 @@ def test_curve_keys_the_server_refuses_fail_start_up_in_one_line(
     with pytest.raises(IncompatibleServerError, match=match) as info:
         make_speculator(curve_setup[server], timeout_ms=timeout_ms)
     assert "\n" not in str(info.value)
+
+
+def _start_up_refusal(config: Any) -> str:
+    """The one-line ValueError with which ``init_speculator`` refuses
+    ``config`` under the environment's remote variables."""
+    table = TokenTable(torch.zeros(8, 16, dtype=torch.int32))
+    with pytest.raises(ValueError) as info:
+        init_speculator(config, torch.device("cpu"), cast(Any, table))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "address, accepted",
+    [
+        ("127.0.0.1:5555", "tcp://, ipc:// or inproc://"),
+        ("tcp://127.0.0.1", "tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:0", "port in 1..65535"),
+        ("tcp://127.0.0.1:70000", "port in 1..65535"),
+        ("ipc://", "tcp://, ipc:// or inproc://"),
+        (" tcp://127.0.0.1:5555", "tcp://, ipc:// or inproc://"),
+        ("tcp://*:5555", "cannot connect"),
+    ],
+)
+@pytest.mark.parametrize(
+    "variable, method",
+    [
+        ("VLLM_K3_DRAFT_REMOTE_ADDRESS", "dflash"),
+        ("VLLM_K3_DSPARK_REMOTE_ADDRESS", "dspark"),
+    ],
+)
+def test_a_malformed_address_is_refused_naming_its_variable(
+    tp_world, vllm_config_factory, monkeypatch, variable, method, address, accepted
+):
+    for name in ("VLLM_K3_DRAFT_REMOTE_ADDRESS", "VLLM_K3_DSPARK_REMOTE_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, address)
+    message = _start_up_refusal(vllm_config_factory(method=method))
+    assert message.startswith(f"{variable}: ")
+    assert accepted in message
+
+
+@pytest.mark.parametrize(
+    "variable, path, problem",
+    [
+        ("VLLM_K3_DRAFT_CURVE_SERVER_KEY", "missing", "cannot load"),
+        ("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", "missing", "cannot load"),
+        ("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", "server_public", "holds no secret key"),
+    ],
+)
+def test_an_unusable_curve_key_file_is_refused_naming_its_variable(
+    tp_world, vllm_config_factory, monkeypatch, tmp_path, variable, path, problem
+):
+    public, secret = zmq.auth.create_certificates(tmp_path, "key")
+    files = {"server_public": str(public), "missing": str(tmp_path / "missing")}
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", "tcp://127.0.0.1:5555")
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(public))
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(secret))
+    monkeypatch.setenv(variable, files[path])
+    message = _start_up_refusal(vllm_config_factory())
+    assert message.startswith(f"{variable}: ")
+    assert files[path] in message
+    assert problem in message
 
 
 def test_unreachable_server_starts_without_drafts(make_speculator):

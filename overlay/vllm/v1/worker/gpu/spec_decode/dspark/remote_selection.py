@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+def remote_address_variable() -> str:
+    """The variable ``remote_draft_address`` took the address from."""
+    return (
+        "VLLM_K3_DRAFT_REMOTE_ADDRESS"
+        if envs.VLLM_K3_DRAFT_REMOTE_ADDRESS
+        else "VLLM_K3_DSPARK_REMOTE_ADDRESS"
+    )
+
+
 def remote_draft_selects_v2(vllm_config: VllmConfig, v2_can_run: bool) -> bool:
     """Whether drafting is remote (``remote_draft_address``), so that Model
     Runner V2 must run this config.
@@ -34,11 +43,7 @@ def remote_draft_selects_v2(vllm_config: VllmConfig, v2_can_run: bool) -> bool:
     address = remote_draft_address(speculative_config)
     if address is None:
         return False
-    name = (
-        "VLLM_K3_DRAFT_REMOTE_ADDRESS"
-        if envs.VLLM_K3_DRAFT_REMOTE_ADDRESS
-        else "VLLM_K3_DSPARK_REMOTE_ADDRESS"
-    )
+    name = remote_address_variable()
     remote = f"Remote drafting ({name}={address}) requires Model Runner V2"
     forced = envs.VLLM_USE_V2_MODEL_RUNNER
     if forced is False:

@@ -29,6 +29,8 @@ Extension points for higher layers: ``resolution`` (a ``ResolutionStrategy``;
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +57,13 @@ from vllm.k3_draft.plan import (
     StepResult,
 )
 from vllm.k3_draft.protocol import load_capability_plugins
+from vllm.k3_draft.security import load_certificate
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.spec_decode.dspark.remote_selection import (
+    remote_address_variable,
+)
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     get_eagle3_aux_layers_from_config,
 )
@@ -136,7 +142,8 @@ class ImmediateResolution(ResolutionStrategy):
 
 
 def remote_curve_keys() -> CurveKeys | None:
-    """The client's CurveZMQ keys from the environment, if configured."""
+    """The client's CurveZMQ keys from the environment, if configured; a
+    ``ValueError`` naming the variable of a file that cannot serve."""
     server_key = envs.VLLM_K3_DRAFT_CURVE_SERVER_KEY
     client_key = envs.VLLM_K3_DRAFT_CURVE_CLIENT_KEY
     if server_key is None and client_key is None:
@@ -146,7 +153,25 @@ def remote_curve_keys() -> CurveKeys | None:
             "Set both VLLM_K3_DRAFT_CURVE_SERVER_KEY and "
             "VLLM_K3_DRAFT_CURVE_CLIENT_KEY, or neither."
         )
-    return CurveKeys.load(server_key, client_key)
+    with _naming("VLLM_K3_DRAFT_CURVE_SERVER_KEY"):
+        server_public, _ = load_certificate(
+            server_key, "the draft server's CURVE key", secret=False
+        )
+    with _naming("VLLM_K3_DRAFT_CURVE_CLIENT_KEY"):
+        client_public, client_secret = load_certificate(
+            client_key, "the client CURVE key", secret=True
+        )
+    return CurveKeys(server_public, client_public, client_secret)
+
+
+@contextlib.contextmanager
+def _naming(variable: str) -> Iterator[None]:
+    """A ``ValueError`` of the block, prefixed with the variable that set
+    what it refuses."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"{variable}: {exc}") from None
 
 
 class NoDraftIds:
@@ -281,9 +306,10 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
             num_speculative_tokens=self.num_speculative_steps,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         )
-        client = DraftClient(
-            address, envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS, remote_curve_keys()
-        )
+        timeout_ms = envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS
+        curve = remote_curve_keys()
+        with _naming(remote_address_variable()):
+            client = DraftClient(address, timeout_ms, curve)
         self.plan = RemotePlan(
             client,
             needs,
