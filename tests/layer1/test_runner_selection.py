@@ -9,6 +9,7 @@ target's GPUs, ignoring the address."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,33 @@ def test_the_legacy_dspark_address_leaves_dflash_on_upstreams_fallback(
     monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_ADDRESS", ADDRESS)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert not make_vllm_config(tmp_path).use_v2_model_runner
+
+
+@pytest.mark.parametrize(
+    "variable", ["VLLM_K3_DRAFT_REMOTE_ADDRESS", "VLLM_K3_DSPARK_REMOTE_ADDRESS"]
+)
+def test_a_remote_address_without_speculative_decoding_is_warned_about(
+    monkeypatch, tmp_path, caplog, variable
+):
+    """The operator asked for remote drafts but configured no speculative
+    decoding: the engine serves without drafts, and says why."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    make_vllm_config(tmp_path)  # writes the target's config.json
+    monkeypatch.setenv(variable, ADDRESS)
+    with caplog.at_level(logging.WARNING):
+        config = VllmConfig(
+            model_config=ModelConfig(
+                model=str(tmp_path / "target"),
+                skip_tokenizer_init=True,
+                max_model_len=4096,
+                dtype="bfloat16",
+            ),
+            device_config=DeviceConfig(device="cpu"),
+        )
+    assert config.speculative_config is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        f"{variable}={ADDRESS}" in message and "--speculative-config" in message
+        for message in warnings
+    ), warnings

@@ -5,7 +5,8 @@
 Only Model Runner V2 drafts remotely (``init_speculator`` picks
 ``RemoteK3DSparkSpeculator``); the V1 runner would load the draft locally and
 ignore the address. ``VllmConfig.use_v2_model_runner`` therefore asks
-``remote_draft_selects_v2`` before it considers the V1 fallback.
+``remote_draft_selects_v2`` before it considers the V1 fallback; without a
+speculative config, an address set is warned about (it is ignored).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm import envs
+from vllm.logger import init_logger
 from vllm.v1.worker.gpu.spec_decode import remote_draft_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
 
 
 def remote_address_variable() -> str:
@@ -39,6 +43,21 @@ def remote_draft_selects_v2(vllm_config: VllmConfig, v2_can_run: bool) -> bool:
     """
     speculative_config = getattr(vllm_config, "speculative_config", None)
     if speculative_config is None:
+        ignored = [
+            f"{name}={value}"
+            for name, value in (
+                ("VLLM_K3_DRAFT_REMOTE_ADDRESS", envs.VLLM_K3_DRAFT_REMOTE_ADDRESS),
+                ("VLLM_K3_DSPARK_REMOTE_ADDRESS", envs.VLLM_K3_DSPARK_REMOTE_ADDRESS),
+            )
+            if value
+        ]
+        if ignored:
+            logger.warning_once(
+                "%s ignored: no speculative decoding is configured (give "
+                "--speculative-config with method dflash or dspark to draft "
+                "remotely)",
+                ", ".join(ignored),
+            )
         return False
     address = remote_draft_address(speculative_config)
     if address is None:
