@@ -23,6 +23,7 @@ from vllm.k3_draft.client import (
     TransportError,
 )
 from vllm.k3_draft.protocol import ProtocolError
+from vllm.k3_draft.security import load_certificate
 
 pytest_plugins = ("conftest_client",)
 
@@ -248,14 +249,13 @@ def test_timeout_must_fit_a_zeromq_option(timeout_ms):
 
 
 def test_client_secret_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
-    server_public, _ = zmq.auth.create_certificates(tmp_path, "server")
     _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
     secret = zmq.auth.load_certificate(client_secret)[1]
     assert secret is not None
     text = Path(client_secret).read_bytes()
     Path(client_secret).write_bytes(text.replace(secret, b"~" + secret[1:]))
     with pytest.raises(ValueError) as refused:
-        CurveKeys.load(server_public, client_secret)
+        load_certificate(client_secret, "the client CURVE key", secret=True)
     assert str(refused.value) == (
         f"{client_secret}: malformed secret key (not 40 Z85 characters)"
     )
@@ -263,12 +263,11 @@ def test_client_secret_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
 
 def test_server_public_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
     server_public, _ = zmq.auth.create_certificates(tmp_path, "server")
-    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
     public = zmq.auth.load_certificate(server_public)[0]
     text = Path(server_public).read_bytes()
     Path(server_public).write_bytes(text.replace(public, public[:10]))
     with pytest.raises(ValueError) as refused:
-        CurveKeys.load(server_public, client_secret)
+        load_certificate(server_public, "the draft server's CURVE key", secret=False)
     assert str(refused.value) == (
         f"{server_public}: malformed public key (not 40 Z85 characters)"
     )
@@ -330,9 +329,11 @@ def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):
         curve_secret_key=server_secret,
         curve_authorized_keys=clients,
     )
-    curve = DraftClient(
-        server.address, 5000, CurveKeys.load(server_public, client_secret)
+    keys = CurveKeys(
+        load_certificate(server_public, "the server key", secret=False)[0],
+        *load_certificate(client_secret, "the client key", secret=True),
     )
+    curve = DraftClient(server.address, 5000, keys)
     try:
         assert curve.handshake(NEEDS).max_requests == 16
     finally:

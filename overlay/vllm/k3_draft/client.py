@@ -56,7 +56,7 @@ from vllm.k3_draft.protocol import (
     encode_header,
     request_header,
 )
-from vllm.k3_draft.security import load_certificate, needs_ipv6
+from vllm.k3_draft.security import needs_ipv6
 
 logger = init_logger(__name__)
 
@@ -99,18 +99,6 @@ class CurveKeys:
     server_public: bytes
     client_public: bytes
     client_secret: bytes
-
-    @classmethod
-    def load(cls, server_key_file: str, client_key_file: str) -> CurveKeys:
-        """Keys from the server's public certificate and the client's secret
-        certificate; ``ValueError`` naming the file when unusable."""
-        server_public, _ = load_certificate(
-            server_key_file, "the draft server's CURVE key", secret=False
-        )
-        client_public, client_secret = load_certificate(
-            client_key_file, "the client CURVE key", secret=True
-        )
-        return cls(server_public, client_public, client_secret)
 
 
 @dataclass(frozen=True)
