@@ -42,8 +42,6 @@ from k3_layer1_server import DraftServerProcess
 from toy_target import (
     HIDDEN,
     MAX_MODEL_LEN,
-    VOCAB,
-    WINDOW,
     DraftOracle,
     ToyTarget,
     check_draft,
@@ -125,29 +123,6 @@ class CachedOracle:
         if key not in self._cache:
             self._cache[key] = self.oracle.expected(rows, start, anchor, end, k)
         return self._cache[key]
-
-
-class BlockTarget(ToyTarget):
-    """``ToyTarget`` whose next token is (mostly) the first token of the
-    draft's K-token block for the full exact context: the draft attends
-    non-causally within its block, so the K-block's first token is the one
-    the verifier is offered."""
-
-    def next_token(self, tokens: list[int]) -> int:
-        key = tuple(tokens)
-        if key not in self._hash:
-            h = self.prefix_hashes(tokens)[-1]
-            if h % self.disagree_every == 0:
-                token = h % (VOCAB - 1)
-            else:
-                end = len(tokens) - 1
-                start = max(0, end - WINDOW)
-                logits = self.oracle.expected(
-                    self.rows(tokens, start, end), start, tokens[end], end, K
-                )
-                token = int(logits[0].argmax())
-            self._hash[key] = token
-        return self._hash[key]
 
 
 @dataclass
@@ -559,13 +534,15 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def target(oracle: DraftOracle) -> BlockTarget:
-    return BlockTarget(CachedOracle(oracle))  # type: ignore[arg-type]
+def target(oracle: DraftOracle) -> ToyTarget:
+    # The depth the verifier drafts at: drafts get accepted, so stops land
+    # inside accepted blocks.
+    return ToyTarget(CachedOracle(oracle), depth=K)  # type: ignore[arg-type]
 
 
 @pytest.fixture
 def make_loop(
-    tmp_path: Path, tight_server: Any, make_speculator: Any, target: BlockTarget
+    tmp_path: Path, tight_server: Any, make_speculator: Any, target: ToyTarget
 ) -> Callable[..., SchedulerLoop]:
     def make(
         async_scheduling: bool,

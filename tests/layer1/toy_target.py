@@ -202,11 +202,17 @@ class DraftOracle:
 
 
 class ToyTarget:
-    """Greedy target whose rows and next tokens are functions of the prefix."""
+    """Greedy target whose rows and next tokens are functions of the prefix.
+    Its next token mostly is the first token of the draft of ``depth`` tokens
+    for the exact context (the draft attends within its block, so that token
+    depends on the depth asked for)."""
 
-    def __init__(self, oracle: DraftOracle, disagree_every: int = 4) -> None:
+    def __init__(
+        self, oracle: DraftOracle, disagree_every: int = 4, depth: int = 1
+    ) -> None:
         self.oracle = oracle
         self.disagree_every = disagree_every
+        self.depth = depth
         self._hash: dict[tuple[int, ...], int] = {}
 
     def prefix_hashes(self, tokens: list[int]) -> list[int]:
@@ -242,7 +248,7 @@ class ToyTarget:
                 end = len(tokens) - 1
                 start = max(0, end - WINDOW)
                 logits = self.oracle.expected(
-                    self.rows(tokens, start, end), start, tokens[end], end, 1
+                    self.rows(tokens, start, end), start, tokens[end], end, self.depth
                 )
                 token = int(logits[0].argmax())
             self._hash[key] = token
