@@ -19,10 +19,10 @@ previous release names itself in PONG only) is refused at the handshake.
 
 A server whose security handshake refuses this client (CURVE keys on one side
 only, a client key it does not authorize, another server's public key) never
-answers, like an unreachable one; but it never will. So the first socket
-watches its ZeroMQ handshakes (a socket monitor, until ``handshake`` ends),
-and ``handshake`` raises ``IncompatibleServerError`` naming the cause instead
-of ``TransportError``.
+answers, like an unreachable one; but it never will. So ``handshake`` watches
+its socket's ZeroMQ handshakes (a socket monitor, for that call only: libzmq
+blocks its I/O thread on a monitor nobody reads) and raises
+``IncompatibleServerError`` naming the cause instead of ``TransportError``.
 
 ``on_sent``, when set, is called (and must not raise) on the calling thread
 after each request has been handed to ZeroMQ and before its reply is
@@ -243,10 +243,10 @@ class DraftClient:
         self.server_id: str | None = None
         self.on_sent: Callable[[], None] | None = None
         self._context = zmq.Context()
-        # The first socket's handshake monitor, until ``handshake`` ends.
+        # The socket's handshake monitor while ``handshake`` runs.
         self._monitor: zmq.Socket | None = None
         try:
-            self._socket = self._connect(monitor=True)
+            self._socket = self._connect()
         except zmq.ZMQError as exc:
             self._context.term()
             # strerror alone: pyzmq's message of a connect repeats the address.
@@ -281,10 +281,15 @@ class DraftClient:
         return socket
 
     def _stop_monitor(self) -> None:
-        if self._monitor is not None:
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
+        if self._monitor is None:
+            return
+        # Read out first: with its queue full, libzmq's I/O thread waits
+        # holding the lock that disable_monitor takes (with the GIL held).
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._monitor = None
 
     def _renew(self) -> None:
         self._stop_monitor()
@@ -344,11 +349,14 @@ class DraftClient:
         """PING and check the server against ``needs``, waiting up to the RPC
         timeout; the replies that follow must come from that server. A server
         other than ``known_server_id`` that holds requests holds them for an
-        earlier verifier: CLEAR them (fresh epoch). On the first socket, a
-        security handshake that refuses this client raises
-        ``IncompatibleServerError`` (at once when it is final)."""
-        self.start_handshake()
+        earlier verifier: CLEAR them (fresh epoch). A security handshake
+        that refuses this client raises ``IncompatibleServerError`` (at once
+        when it is final)."""
+        # A fresh socket, watched from its first security handshake.
+        self._socket.close(linger=0)
+        self._socket = self._connect(monitor=True)
         try:
+            self.start_handshake()
             refusal = self._await_pong()
             info = self.finish_handshake(needs, known_server_id, 0)
         finally:
