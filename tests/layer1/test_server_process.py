@@ -29,6 +29,7 @@ from k3_layer1_server import (
     free_tcp_port,
     propose_message,
 )
+from zmq.utils.monitor import recv_monitor_message
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport, SocketFileLost
 from vllm.entrypoints.k3_dspark_standalone import parse_args, run
@@ -260,6 +261,68 @@ def test_stop_ends_a_busy_poll(tmp_path):
         thread.join(0.6)
         stopped = not thread.is_alive()
     assert stopped
+
+
+def _relay(source: socket.socket, sink: socket.socket, open_: threading.Event) -> None:
+    """Copy ``source`` to ``sink`` while ``open_`` is set."""
+    with contextlib.suppress(OSError):
+        while (data := source.recv(65536)) and open_.is_set():
+            sink.sendall(data)
+
+
+def test_a_peer_that_vanishes_without_closing_is_dropped():
+    """A verifier whose host vanishes sends no FIN: its path goes dark (here a
+    relay that stops relaying but keeps both connections open). The server
+    drops that connection instead of holding it, and its descriptor, for
+    good."""
+    transport = RpcTransport(
+        _AtOnceServer(),
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        None,
+        heartbeat_timeout_s=0.3,
+    )
+    transport.bind()
+    assert transport.socket is not None and transport.endpoint is not None
+    monitor = transport.socket.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    )
+    # Not a timing bound: only keeps a failing run from hanging.
+    monitor.setsockopt(zmq.RCVTIMEO, 60_000)
+    stop = threading.Event()
+    thread = threading.Thread(target=transport.serve, args=(stop, lambda: None))
+    thread.start()
+    host, port = transport.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    relay = socket.create_server(("127.0.0.1", 0))
+    context = zmq.Context()
+    client = context.socket(zmq.REQ)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.RCVTIMEO, 10_000)
+    open_ = threading.Event()
+    open_.set()
+    held: list[socket.socket] = []
+    try:
+        client.connect(f"tcp://127.0.0.1:{relay.getsockname()[1]}")
+        verifier_side, _ = relay.accept()
+        server_side = socket.create_connection((host, int(port)))
+        held += [verifier_side, server_side]
+        for pair in ((verifier_side, server_side), (server_side, verifier_side)):
+            threading.Thread(target=_relay, args=(*pair, open_), daemon=True).start()
+        client.send(b"request")
+        assert client.recv() == b'{"ok": true}'
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        open_.clear()  # the path goes dark; neither connection closes
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        open_.clear()
+        for sock in held:
+            sock.close()
+        relay.close()
+        client.close()
+        monitor.close()
+        context.term()
+        stop.set()
+        thread.join()
+        transport.close()
 
 
 @contextlib.contextmanager

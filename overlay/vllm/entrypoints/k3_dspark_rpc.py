@@ -11,8 +11,13 @@ alias before ZeroMQ has sent them. A peer that stops taking its reply for
 bound again on the endpoint it had, a wildcard's port or path included (the
 other clients' requests in flight are lost with it: their clients time out
 and fail closed), so one stalled verifier cannot stop the server from
-answering or from shutting down. A ZeroMQ failure ends ``serve`` with the
-error: the process then stops instead of reporting ready over a dead socket.
+answering or from shutting down. A peer whose connection goes silent (its
+host lost power or its network path went dark: no FIN or RST ever arrives)
+is dropped once it misses ZeroMQ heartbeats for ``heartbeat_timeout_s``
+(the peer's ZeroMQ I/O thread answers them, however busy the verifier is),
+so connections of vanished verifiers do not pile up. A ZeroMQ failure ends
+``serve`` with the error: the process then stops instead of reporting ready
+over a dead socket.
 With ``busy_poll_us``, ``serve`` polls the socket without sleeping for that
 long after each reply, then sleeps in a blocking receive: a request within
 the window skips the wake-up of a sleeping thread (up to about 150 us of a
@@ -74,6 +79,9 @@ def _file_identity(path: str) -> tuple[int, int] | None:
 # How long a peer may take to receive its reply before its connection is
 # dropped (a multi-megabyte logits reply takes milliseconds on loopback).
 _REPLY_SEND_TIMEOUT_S = 10.0
+# A connection is dropped when no ZeroMQ heartbeat, sent every third of it,
+# is answered within this.
+_HEARTBEAT_TIMEOUT_S = 30.0
 # Bytes of a message part beyond which ZeroMQ drops the peer's connection.
 _FRAME_SLACK_BYTES = 1 << 20
 # Longest busy poll after a reply (the ipc socket file is checked between
@@ -92,6 +100,7 @@ class RpcTransport:
         allow_unsafe_remote_rpc: bool = False,
         reply_send_timeout_s: float = _REPLY_SEND_TIMEOUT_S,
         busy_poll_us: int = 0,
+        heartbeat_timeout_s: float = _HEARTBEAT_TIMEOUT_S,
     ) -> None:
         check_bind(address, curve, allow_unsafe_remote_rpc)
         if not 0 <= busy_poll_us <= MAX_BUSY_POLL_US:
@@ -103,6 +112,7 @@ class RpcTransport:
         self.curve = curve
         self.reply_send_timeout_s = reply_send_timeout_s
         self.busy_poll_s = busy_poll_us / 1e6
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.context = zmq.Context()
         self.socket: zmq.Socket | None = None
         # The endpoint bound (a wildcard resolved), which a rebind binds again.
@@ -160,6 +170,9 @@ class RpcTransport:
         # per message than polling.
         socket.setsockopt(zmq.RCVTIMEO, _STOP_CHECK_MS)
         socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes())
+        timeout_ms = max(1, round(self.heartbeat_timeout_s * 1e3))
+        socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         if needs_ipv6(self.address):
             socket.setsockopt(zmq.IPV6, 1)
         return socket
