@@ -763,9 +763,9 @@ def test_retries_of_an_unreachable_server_back_off_doubling_to_the_maximum(
     sent: list[float] = []
     start_handshake = client.start_handshake
 
-    def record_ping() -> None:
+    def record_ping(watch: bool = False) -> None:
         sent.append(clock.now)
-        start_handshake()
+        start_handshake(watch)
 
     monkeypatch.setattr(client, "start_handshake", record_ping)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from typing import Any, cast
 
 import numpy as np
@@ -26,6 +27,7 @@ from toy_target import (
     make_vllm_config,
 )
 from tp_replay import RecordingRank0, ReplayingRank1
+from zmq.auth.thread import ThreadAuthenticator
 
 from vllm.k3_draft.client import IncompatibleServerError
 from vllm.k3_draft.plan import RemotePlan
@@ -390,6 +392,51 @@ def test_curve_keys_the_server_refuses_fail_start_up_in_one_line(
     with pytest.raises(IncompatibleServerError, match=match) as info:
         make_speculator(curve_setup[server], timeout_ms=timeout_ms)
     assert "\n" not in str(info.value)
+
+
+def test_a_server_that_comes_up_refusing_the_key_is_named_in_the_warning(
+    make_speculator, monkeypatch, tmp_path, caplog
+):
+    """A verifier that started while its server was down, and whose server
+    then comes up refusing this verifier's CURVE key, says why it gets no
+    PONG (not only that none came), and keeps running without drafts."""
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(server_public))
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(client_secret))
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    speculator, _ = make_speculator(address, timeout_ms=200)
+    assert speculator.plan.server is None
+    # The server comes up, authorizing no client.
+    context = zmq.Context()
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(tmp_path / "none"))
+    server = context.socket(zmq.REP)
+    server.setsockopt(zmq.LINGER, 0)
+    server.curve_server = True
+    server.curve_publickey, server.curve_secretkey = zmq.auth.load_certificate(
+        server_secret
+    )
+    server.bind(address)
+    refused = "the server refused this verifier's CURVE key"
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.k3_draft.plan"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(
+                refused in r.getMessage() for r in caplog.records
+            ):
+                assert (_propose(speculator) == -1).all()
+                time.sleep(0.05)
+    finally:
+        server.close()
+        authenticator.stop()
+        context.term()
+    (warning,) = [r.getMessage() for r in caplog.records if refused in r.getMessage()]
+    assert warning.startswith(
+        f"Remote draft unavailable (no PONG from the draft server {address} "
+        "within 200 ms: the security handshake failed: "
+    )
 
 
 def _start_up_refusal(config: Any) -> str:

@@ -19,10 +19,12 @@ previous release names itself in PONG only) is refused at the handshake.
 
 A server whose security handshake refuses this client (CURVE keys on one side
 only, a client key it does not authorize, another server's public key) never
-answers, like an unreachable one; but it never will. So ``handshake`` watches
-its socket's ZeroMQ handshakes (a socket monitor, for that call only: libzmq
-blocks its I/O thread on a monitor nobody reads) and raises
-``IncompatibleServerError`` naming the cause instead of ``TransportError``.
+answers, like an unreachable one; but it never will. So a handshake watches
+its socket's ZeroMQ handshakes (a socket monitor, until the PONG or
+``abandon``: libzmq blocks its I/O thread on a monitor nobody reads):
+``handshake`` raises ``IncompatibleServerError`` naming the cause instead of
+``TransportError``, and ``handshake_refusal`` names it to a caller that
+probes with ``start_handshake(watch=True)``.
 
 ``on_sent``, when set, is called (and must not raise) on the calling thread
 after each request has been handed to ZeroMQ and before its reply is
@@ -243,8 +245,11 @@ class DraftClient:
         self.server_id: str | None = None
         self.on_sent: Callable[[], None] | None = None
         self._context = zmq.Context()
-        # The socket's handshake monitor while ``handshake`` runs.
+        # The socket's handshake monitor while a handshake is watched.
         self._monitor: zmq.Socket | None = None
+        # Why the watched handshake's security handshakes failed (None: they
+        # did not, or said nothing).
+        self.handshake_refusal: str | None = None
         try:
             self._socket = self._connect()
         except zmq.ZMQError as exc:
@@ -291,10 +296,11 @@ class DraftClient:
         self._monitor.close(linger=0)
         self._monitor = None
 
-    def _renew(self) -> None:
+    def _renew(self, monitor: bool = False) -> None:
         self._stop_monitor()
         self._socket.close(linger=0)
-        self._socket = self._connect()
+        self._socket = self._connect(monitor)
+        self.handshake_refusal = None
 
     def _failed(self, op: str, exc: zmq.ZMQError) -> TransportError:
         """The error of a failed round trip, after renewing the socket (a REQ
@@ -352,16 +358,14 @@ class DraftClient:
         earlier verifier: CLEAR them (fresh epoch). A security handshake
         that refuses this client raises ``IncompatibleServerError`` (at once
         when it is final)."""
-        # A fresh socket, watched from its first security handshake.
-        self._socket.close(linger=0)
-        self._socket = self._connect(monitor=True)
+        self.start_handshake(watch=True)
         try:
-            self.start_handshake()
-            refusal = self._await_pong()
+            self._await_pong()
             info = self.finish_handshake(needs, known_server_id, 0)
         finally:
             self._stop_monitor()
         if info is None:
+            refusal = self.handshake_refusal
             self.abandon()
             if refusal is not None:
                 raise IncompatibleServerError(
@@ -374,36 +378,40 @@ class DraftClient:
             )
         return info
 
-    def _await_pong(self) -> str | None:
-        """Wait up to the RPC timeout for the PING's reply, watching the
-        monitor if there is one; the last handshake refusal seen if no reply
-        came (a final one ends the wait), else None."""
+    def _await_pong(self) -> None:
+        """Wait up to the RPC timeout for the PING's reply, reading the
+        monitor meanwhile; a final handshake refusal ends the wait."""
+        assert self._monitor is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + self.timeout_ms / 1e3
-        refusal: str | None = None
         try:
             while True:
                 wait_ms = max(0, round((deadline - time.monotonic()) * 1e3))
                 ready = dict(poller.poll(wait_ms))
-                if self._socket in ready:
-                    return None
-                if self._monitor is None or self._monitor not in ready:
-                    return refusal
-                while self._monitor.poll(0):
-                    event = recv_monitor_message(self._monitor)
-                    if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                        refusal = None
-                        continue
-                    refusal, final = self._handshake_refusal(
-                        event["event"], event["value"]
-                    )
-                    if final:
-                        return refusal
+                if self._socket in ready or self._monitor not in ready:
+                    return
+                if self._read_monitor():
+                    return
         except zmq.ZMQError as exc:
             raise self._failed(OP_PING, exc) from exc
+
+    def _read_monitor(self) -> bool:
+        """The monitor's events so far taken into ``handshake_refusal``;
+        whether one of them was a final refusal."""
+        assert self._monitor is not None
+        final = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_refusal = None
+                continue
+            self.handshake_refusal, is_final = self._handshake_refusal(
+                event["event"], event["value"]
+            )
+            final = final or is_final
+        return final
 
     def _handshake_refusal(self, event: int, value: int) -> tuple[str | None, bool]:
         """What a failed security handshake says about the configuration, and
@@ -441,8 +449,12 @@ class DraftClient:
             )
         return None, False
 
-    def start_handshake(self) -> None:
-        """Send a PING without waiting; ``finish_handshake`` takes its PONG."""
+    def start_handshake(self, watch: bool = False) -> None:
+        """Send a PING without waiting; ``finish_handshake`` takes its PONG.
+        ``watch``: on a fresh socket whose security handshakes are read into
+        ``handshake_refusal`` until the reply or ``abandon``."""
+        if watch:
+            self._renew(monitor=True)
         try:
             self._socket.send(encode_header(request_header(OP_PING)))
         except zmq.ZMQError as exc:
@@ -470,10 +482,13 @@ class DraftClient:
         until a later call or ``abandon``)."""
         try:
             if not self._socket.poll(wait_ms, zmq.POLLIN):
+                if self._monitor is not None:
+                    self._read_monitor()
                 return None
             reply = self._socket.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
             raise self._failed(OP_PING, exc) from exc
+        self._stop_monitor()
         try:
             header = decode_header(reply[0].buffer, MAX_REPLY_HEADER_BYTES)
         except ForeignProtocolError as exc:

@@ -403,7 +403,7 @@ class RemotePlan:
             if self._probe_deadline is None:
                 if time.monotonic() < self._retry_at:
                     return False
-                self.client.start_handshake()
+                self.client.start_handshake(watch=True)
                 self._probe_deadline = time.monotonic() + self.client.timeout_ms / 1e3
                 wait_ms = min(_PROBE_WAIT_MS, self.client.timeout_ms)
             else:
@@ -412,10 +412,13 @@ class RemotePlan:
             if info is None:
                 if time.monotonic() < self._probe_deadline:
                     return False
+                # Why, if its security handshakes said (CURVE keys refused).
+                refusal = self.client.handshake_refusal
                 self.client.abandon()
                 raise TransportError(
                     f"no PONG from the draft server {self.client.address} within "
                     f"{self.client.timeout_ms} ms"
+                    + (f": the security handshake failed: {refusal}" if refusal else "")
                 )
         except (TransportError, ProtocolError, RemoteError) as exc:
             self._probe_deadline = None
