@@ -21,7 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k3_layer1_server import DraftServerProcess, RawClient  # sibling module
+
+# The real-scheduler harness, imported by test modules of layers 1 to 3 before
+# pytest loads it as their plugin: rewrite its asserts.
+pytest.register_assert_rewrite("k3_sched_loop")
+
+from k3_layer1_server import DraftServerProcess, RawClient  # noqa: E402
 
 
 @pytest.fixture(scope="session")
