@@ -4,7 +4,8 @@
 
 Layer 1's test helpers (``k3_layer1_server``, ``toy_target``,
 ``conftest_client``) are put on the import path: test modules import them and
-name ``conftest_client`` in ``pytest_plugins`` for its fixtures.
+name ``conftest_client`` (and ``k3_sched_loop``, the real-scheduler harness)
+in ``pytest_plugins`` for their fixtures.
 
 * ``reference_server`` (session): a real draft server process (layer 1's
   reference engine with ``k3_layer1_server.DEFAULT_OPTIONS``, ipc), ready.
@@ -28,6 +29,9 @@ import pytest
 LAYER1_TESTS = Path(__file__).resolve().parent.parent / "layer1"
 if str(LAYER1_TESTS) not in sys.path:
     sys.path.insert(0, str(LAYER1_TESTS))
+# Layer 1's real-scheduler harness: test modules import it before pytest
+# loads it as their plugin.
+pytest.register_assert_rewrite("k3_sched_loop")
 
 
 @pytest.fixture(scope="session")
