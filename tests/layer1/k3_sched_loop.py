@@ -25,8 +25,9 @@ Every step checks that each draft row is -1 or the server engine's draft for
 the request's exact committed context, and that each request's output so far
 is a prefix of target-only greedy decoding; each finished request's output
 equals target-only decoding up to its stop. Subclasses of ``HostRunner`` add
-checks: ``verifying`` sees the draft slots the rejection step verifies,
-``_check`` the drafts ``propose`` returned.
+checks or steps: ``verifying`` sees the draft slots the rejection step
+verifies, ``_check`` the drafts ``store`` stores, ``before_propose`` the
+step's ``InputBatch``.
 
 Fixtures: ``tight_server`` (module), ``target`` (module), ``make_loop``.
 """
@@ -310,9 +311,7 @@ class HostRunner:
             is_prefilling,
             num_spec,
         )
-        drafts[:, num_spec:] = -1
-        self.draft_tokens[torch.from_numpy(idx_np.astype(np.int64))] = drafts
-        self._check(req_ids, idx_np, drafts, num_spec)
+        self.store(req_ids, idx_np, drafts, num_spec)
         self.last_req_ids = req_ids
         self.last_num_spec = num_spec
         self.last_sampled_lists = dict(zip(req_ids, sampled_lists))
@@ -323,6 +322,18 @@ class HostRunner:
             # Copies: the scheduler trims them in place at a stop.
             sampled_token_ids=[list(out) for out in sampled_lists],
         )
+
+    def store(
+        self, req_ids: list[str], idx_np: np.ndarray, drafts: torch.Tensor, k: int
+    ) -> None:
+        """``store_draft_tokens``: the step's drafts (``k`` wide) into the
+        request state, after ``_check``."""
+        drafts[:, k:] = -1
+        self.draft_tokens[torch.from_numpy(idx_np.astype(np.int64))] = drafts
+        self._check(req_ids, idx_np, drafts, k)
+
+    def before_propose(self, input_batch: Any) -> None:
+        """Called with the step's ``InputBatch`` right before ``propose``."""
 
     def verifying(self, rid: str, idx: int, drafts: list[int]) -> None:
         """Called with the draft slots a step verifies for ``rid`` (state
@@ -353,6 +364,7 @@ class HostRunner:
             is_prefilling,
             self.prefill_len[idx_np].copy(),
         )
+        self.before_propose(input_batch)
         drafts = self.spec.propose(
             input_batch,
             {},

@@ -31,7 +31,7 @@ if str(LAYER1_TESTS) not in sys.path:
     sys.path.insert(0, str(LAYER1_TESTS))
 # Layer 1's real-scheduler harness: test modules import it before pytest
 # loads it as their plugin.
-pytest.register_assert_rewrite("k3_sched_loop")
+pytest.register_assert_rewrite("k3_sched_loop", "k3_l2_sched_loop")
 
 
 @pytest.fixture(scope="session")
