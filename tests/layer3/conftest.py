@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Layer 3 reuses layer 1's helpers (``toy_target``, ``k3_layer1_server``,
-``conftest_client``) and layer 2's (``k3_l2_reference``: the CPU reference of
-upstream's Gumbel sampler) by import: put their folders on the path. The
+``conftest_client``, ``k3_sched_loop``) and layer 2's (``k3_l2_reference``:
+the CPU reference of upstream's Gumbel sampler; ``k3_l2_sched_loop``) by
+import: put their folders on the path. The
 runner and worker factories of ``k3_l3_runner`` are fixtures here."""
 
 import sys
@@ -14,6 +15,9 @@ for layer in ("layer1", "layer2"):
     folder = str(Path(__file__).resolve().parents[1] / layer)
     if folder not in sys.path:
         sys.path.insert(0, folder)
+# The real-scheduler harnesses of layers 1 and 2: test modules import them
+# before pytest loads them as their plugins.
+pytest.register_assert_rewrite("k3_sched_loop", "k3_l2_sched_loop")
 
 
 def _serve(tmp_path_factory: pytest.TempPathFactory, name: str):
