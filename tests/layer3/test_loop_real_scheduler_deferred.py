@@ -122,7 +122,9 @@ def deferred_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_K3_DRAFT_DEFERRED_RESOLVE", "1")
 
 
-def _preemption_prefix_hits_stops_and_aborts(loop: Any, temperature: float) -> None:
+def _preemption_prefix_hits_stops_and_aborts(
+    loop: Any, temperature: float, deferred: bool = True
+) -> None:
     """A KV cache too small for every running request, shared prefixes and a
     repeated prompt (prefix-cache hits), a stop token inside an accepted
     block, aborts mid-run, a request the protocol cannot carry; outputs are
@@ -169,7 +171,11 @@ def _preemption_prefix_hits_stops_and_aborts(loop: Any, temperature: float) -> N
     assert stats.drafted > 0 and stats.accepted > 0 and stats.rejected > 0
     assert stats.preemptions > 0 and stats.prefix_hits > 0
     assert stats.padded_prefills > 0 and stats.cut_in_block > 0
-    assert loop.runner.deferred_steps > loop.runner.immediate_steps == 0
+    runner = loop.runner
+    if deferred:
+        assert runner.deferred_steps > runner.immediate_steps == 0
+    else:
+        assert runner.immediate_steps > runner.deferred_steps == 0
 
 
 def _random_schedule(loop: Any, seed: int, temperatures: tuple[float, ...]) -> None:
@@ -268,3 +274,13 @@ def test_deferred_sampling_random_schedule_verifies_the_wire_rows(
         loop.runner.report_outstanding()
     _random_schedule(loop, 4, (0.0, 0.02, 0.1, 1.0))
     assert loop.runner.counts["verified_slots"] > 0
+
+
+def test_under_sync_scheduling_every_step_resolves_at_once_and_matches_target(
+    make_loop,
+):
+    """The synchronous scheduler reads the drafts on the host right after
+    each step: with the switch on, no step defers, and drafts and outputs
+    stay exact."""
+    loop = make_loop(False, num_blocks=24, runner_cls=DeferredRunner)
+    _preemption_prefix_hits_stops_and_aborts(loop, 0.0, deferred=False)
