@@ -556,6 +556,78 @@ class SchedulerLoop:
         raise AssertionError("requests did not finish")
 
 
+def run_in_order(
+    loop: SchedulerLoop, specs: dict[str, Spec], late: str, abort: tuple[str, ...]
+) -> list[str]:
+    """Run ``specs`` to the end, one added every other step in their order,
+    except ``late``: held back until step 6, then added first. At step 21
+    those of ``abort`` still running are aborted; returns them."""
+    pending = [rid for rid in specs if rid != late]
+    aborted: list[str] = []
+
+    def drive(n: int) -> None:
+        if n == 6:
+            pending.insert(0, late)
+        if pending and n % 2 == 0:
+            rid = pending.pop(0)
+            loop.add(rid, specs[rid])
+        if n == 21:
+            aborted.extend(rid for rid in abort if rid not in loop.finished)
+            loop.abort(aborted)
+
+    loop.run(each=drive)
+    assert loop.finished.keys() == specs.keys()
+    return aborted
+
+
+def run_random_schedule(
+    loop: SchedulerLoop,
+    rng: random.Random,
+    prefixes: list[list[int]],
+    temperatures: tuple[float, ...],
+    requests: int = 20,
+) -> None:
+    """Run ``requests`` seeded random arrivals to the end: prompts on one of
+    ``prefixes``, random lengths and max_tokens, a stop token on 30% of them,
+    temperatures from ``temperatures`` and random seeds; 5% of steps abort
+    a running request, and 30% of arrivals take a finished id once one may
+    be reused. An idle engine always gets a request (else the run ends
+    early)."""
+    added: list[str] = []
+
+    def new_spec() -> Spec:
+        prompt = rng.choice(prefixes) + prompt_tokens(
+            rng.randrange(10**6), rng.randrange(0, 20)
+        )
+        stops = []
+        if rng.random() < 0.3:
+            stops = [loop.target.generate(prompt, rng.randrange(1, 12))[-1]]
+        temperature = rng.choice(temperatures)
+        seed = rng.choice((None, rng.randrange(-(2**40), 2**40)))
+        return Spec(prompt, rng.randrange(1, 40), stops, temperature, seed)
+
+    arrivals = 0
+
+    def drive(n: int) -> None:
+        nonlocal arrivals
+        if arrivals < requests and (not loop.busy() or rng.random() < 0.8):
+            done = loop.reusable()
+            if done and rng.random() < 0.3:
+                rid = rng.choice(sorted(done))
+                loop.reuse(rid)
+            else:
+                rid = f"r{arrivals}"
+                added.append(rid)
+            arrivals += 1
+            loop.add(rid, new_spec())
+        running = [rid for rid in added if rid not in loop.finished]
+        if running and rng.random() < 0.05:
+            loop.abort([rng.choice(running)])
+
+    loop.run(each=drive)
+    assert arrivals == requests and set(added) == loop.finished.keys()
+
+
 def prompt_tokens(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 1000 + 1 for i in range(length)]
 

@@ -19,7 +19,13 @@ import time
 from typing import Any
 
 import pytest
-from k3_sched_loop import BLOCK, MAX_NUM_SEQS, Spec
+from k3_sched_loop import (
+    BLOCK,
+    MAX_NUM_SEQS,
+    Spec,
+    run_in_order,
+    run_random_schedule,
+)
 from k3_sched_loop import prompt_tokens as _prompt
 from toy_target import MAX_MODEL_LEN
 
@@ -88,23 +94,7 @@ def test_preemption_prefix_hits_stops_and_aborts_match_target(
     stop_prompt = _prompt(400, 25)
     ninth = target.generate(stop_prompt, 9)[-1]
     specs["stop"] = Spec(stop_prompt, 40, stop_token_ids=[ninth])
-    pending = list(specs)
-    pending.remove("dup1")
-    aborted: list[str] = []
-
-    def drive(n: int) -> None:
-        if n == 6:
-            pending.insert(0, "dup1")
-        if pending and n % 2 == 0:
-            rid = pending.pop(0)
-            loop.add(rid, specs[rid])
-        if n == 21:
-            aborted.extend(r for r in ("p6", "p7") if r not in loop.finished)
-            loop.abort(aborted)
-
-    loop.run(each=drive)
-    assert loop.finished.keys() == specs.keys()
-    assert aborted
+    assert run_in_order(loop, specs, late="dup1", abort=("p6", "p7"))
     stats = loop.runner.stats
     assert stats.drafted > 0 and stats.accepted > 0 and stats.rejected > 0
     assert stats.preemptions > 0 and stats.prefix_hits > 0
@@ -120,40 +110,8 @@ def test_random_schedule_matches_target(make_loop, async_scheduling, seed):
     that preempts: drafts are exact and outputs equal target-only decoding."""
     rng = random.Random(seed)
     loop = make_loop(async_scheduling, num_blocks=12, max_num_batched_tokens=48)
-    target = loop.target
     prefixes = [_prompt(600 + seed * 10 + i, rng.randrange(8, 40)) for i in range(3)]
-    added: list[str] = []
-    count = 0
-
-    def new_spec() -> Spec:
-        prompt = rng.choice(prefixes) + _prompt(
-            rng.randrange(10**6), rng.randrange(0, 20)
-        )
-        max_tokens = rng.randrange(1, 40)
-        stops = []
-        if rng.random() < 0.3:
-            stops = [target.generate(prompt, rng.randrange(1, 12))[-1]]
-        return Spec(prompt, max_tokens, stops)
-
-    def drive(n: int) -> None:
-        nonlocal count
-        if count < 24 and rng.random() < 0.8:
-            # Reuse a finished id sometimes.
-            done = loop.reusable()
-            if done and rng.random() < 0.3:
-                rid = rng.choice(sorted(done))
-                loop.reuse(rid)
-            else:
-                rid = f"r{count}"
-                added.append(rid)
-            count += 1
-            loop.add(rid, new_spec())
-        running = [r for r in added if r not in loop.finished]
-        if running and rng.random() < 0.05:
-            loop.abort([rng.choice(running)])
-
-    loop.run(each=drive)
-    assert count == 24 and set(added) == loop.finished.keys()
+    run_random_schedule(loop, rng, prefixes, (0.0,), requests=24)
     stats = loop.runner.stats
     assert stats.drafted > 0 and stats.accepted > 0 and stats.preemptions > 0
     assert stats.prefix_hits > 0

@@ -41,7 +41,14 @@ import random
 from typing import Any
 
 import pytest
-from k3_sched_loop import BLOCK, MAX_NUM_SEQS, Spec, prompt_tokens
+from k3_sched_loop import (
+    BLOCK,
+    MAX_NUM_SEQS,
+    Spec,
+    prompt_tokens,
+    run_in_order,
+    run_random_schedule,
+)
 from toy_target import MAX_MODEL_LEN
 
 from vllm.k3_draft.protocol import MAX_REQUEST_ID_CHARS
@@ -140,23 +147,7 @@ def test_preemption_prefix_hits_stops_and_aborts_verify_the_wire_rows(
     specs["stop"] = Spec(
         stop_prompt, 40, stop_token_ids=[ninth], temperature=0.02, seed=3
     )
-    pending = list(specs)
-    pending.remove("dup1")
-    aborted: list[str] = []
-
-    def drive(n: int) -> None:
-        if n == 6:
-            pending.insert(0, "dup1")
-        if pending and n % 2 == 0:
-            rid = pending.pop(0)
-            loop.add(rid, specs[rid])
-        if n == 21:
-            aborted.extend(r for r in ("p5", "p6") if r not in loop.finished)
-            loop.abort(aborted)
-
-    loop.run(each=drive)
-    assert loop.finished.keys() == specs.keys()
-    assert aborted
+    assert run_in_order(loop, specs, late="dup1", abort=("p5", "p6"))
     _check_counts(loop)
     stats = loop.runner.stats
     assert stats.preemptions > 0 and stats.prefix_hits > 0
@@ -177,41 +168,8 @@ def test_random_schedule_verifies_the_wire_rows(make_logits_loop, async_scheduli
         max_num_batched_tokens=48,
         k_per_batch_size=DYNAMIC_K,
     )
-    target = loop.target
     prefixes = [prompt_tokens(650 + i, rng.randrange(8, 40)) for i in range(3)]
-    added: list[str] = []
-    count = 0
-
-    def new_spec() -> Spec:
-        prompt = rng.choice(prefixes) + prompt_tokens(
-            rng.randrange(10**6), rng.randrange(0, 20)
-        )
-        stops = []
-        if rng.random() < 0.3:
-            stops = [target.generate(prompt, rng.randrange(1, 12))[-1]]
-        temperature = rng.choice((0.0, *TEMPERATURES))
-        seed = rng.choice((None, rng.randrange(-(2**40), 2**40)))
-        return Spec(prompt, rng.randrange(1, 40), stops, temperature, seed)
-
-    def drive(n: int) -> None:
-        nonlocal count
-        # An idle engine always gets a request (else the run ends early).
-        if count < 20 and (not loop.busy() or rng.random() < 0.8):
-            done = loop.reusable()
-            if done and rng.random() < 0.3:
-                rid = rng.choice(sorted(done))
-                loop.reuse(rid)
-            else:
-                rid = f"r{count}"
-                added.append(rid)
-            count += 1
-            loop.add(rid, new_spec())
-        running = [r for r in added if r not in loop.finished]
-        if running and rng.random() < 0.05:
-            loop.abort([rng.choice(running)])
-
-    loop.run(each=drive)
-    assert count == 20 and set(added) == loop.finished.keys()
+    run_random_schedule(loop, rng, prefixes, (0.0, *TEMPERATURES))
     _check_counts(loop)
     stats = loop.runner.stats
     assert stats.preemptions > 0 and len(stats.k_used) == 3

@@ -30,7 +30,14 @@ from typing import Any
 import pytest
 import torch
 from k3_l2_sched_loop import LogitsRunner
-from k3_sched_loop import BLOCK, HostRunner, Spec, prompt_tokens
+from k3_sched_loop import (
+    BLOCK,
+    HostRunner,
+    Spec,
+    prompt_tokens,
+    run_in_order,
+    run_random_schedule,
+)
 
 from vllm.k3_draft import stream_gate
 from vllm.k3_draft.deferred import install_deferred_resolution
@@ -149,24 +156,8 @@ def _preemption_prefix_hits_stops_and_aborts(
     specs["x" * (MAX_REQUEST_ID_CHARS + 1)] = Spec(
         prompt_tokens(20, 30), 30, temperature=temperature
     )
-    pending = list(specs)
-    pending.remove("dup1")
-    aborted: list[str] = []
-
-    def drive(n: int) -> None:
-        if n == 6:
-            pending.insert(0, "dup1")
-        if pending and n % 2 == 0:
-            rid = pending.pop(0)
-            loop.add(rid, specs[rid])
-        if n == 21:
-            aborted.extend(r for r in ("p5", "p6") if r not in loop.finished)
-            loop.abort(aborted)
-
-    loop.run(each=drive)
+    assert run_in_order(loop, specs, late="dup1", abort=("p5", "p6"))
     loop.runner.drain()
-    assert loop.finished.keys() == specs.keys()
-    assert aborted
     stats = loop.runner.stats
     assert stats.drafted > 0 and stats.accepted > 0 and stats.rejected > 0
     assert stats.preemptions > 0 and stats.prefix_hits > 0
@@ -179,48 +170,14 @@ def _preemption_prefix_hits_stops_and_aborts(
 
 
 def _random_schedule(loop: Any, seed: int, temperatures: tuple[float, ...]) -> None:
-    """Seeded random arrivals (shared prefixes, repeated prompts), stop
-    tokens, aborts and finished ids taken by new requests, over a KV cache
-    that preempts."""
+    """``run_random_schedule`` over a KV cache that preempts, on three
+    prefixes of ``seed``'s."""
     rng = random.Random(seed)
-    target = loop.target
     prefixes = [
         prompt_tokens(600 + seed * 10 + i, rng.randrange(8, 40)) for i in range(3)
     ]
-    added: list[str] = []
-    count = 0
-
-    def new_spec() -> Spec:
-        prompt = rng.choice(prefixes) + prompt_tokens(
-            rng.randrange(10**6), rng.randrange(0, 20)
-        )
-        stops = []
-        if rng.random() < 0.3:
-            stops = [target.generate(prompt, rng.randrange(1, 12))[-1]]
-        temperature = rng.choice(temperatures)
-        seed = rng.choice((None, rng.randrange(-(2**40), 2**40)))
-        return Spec(prompt, rng.randrange(1, 40), stops, temperature, seed)
-
-    def drive(n: int) -> None:
-        nonlocal count
-        # An idle engine always gets a request (else the run ends early).
-        if count < 20 and (not loop.busy() or rng.random() < 0.8):
-            done = loop.reusable()
-            if done and rng.random() < 0.3:
-                rid = rng.choice(sorted(done))
-                loop.reuse(rid)
-            else:
-                rid = f"r{count}"
-                added.append(rid)
-            count += 1
-            loop.add(rid, new_spec())
-        running = [r for r in added if r not in loop.finished]
-        if running and rng.random() < 0.05:
-            loop.abort([rng.choice(running)])
-
-    loop.run(each=drive)
+    run_random_schedule(loop, rng, prefixes, temperatures)
     loop.runner.drain()
-    assert count == 20 and set(added) == loop.finished.keys()
     stats = loop.runner.stats
     assert stats.drafted > 0 and stats.accepted > 0 and stats.preemptions > 0
     assert loop.runner.deferred_steps > loop.runner.immediate_steps == 0
