@@ -22,9 +22,13 @@ only, a client key it does not authorize, another server's public key) never
 answers, like an unreachable one; but it never will. So a handshake watches
 its socket's ZeroMQ handshakes (a socket monitor, until the PONG or
 ``abandon``: libzmq blocks its I/O thread on a monitor nobody reads):
-``handshake`` raises ``IncompatibleServerError`` naming the cause instead of
-``TransportError``, and ``handshake_refusal`` names it to a caller that
-probes with ``start_handshake(watch=True)``.
+``handshake`` raises ``IncompatibleServerError`` naming the cause of a
+refusal ZeroMQ does not retry (a protocol or an authentication failure)
+instead of ``TransportError``, whose message names the likely cause of
+connections closed in their security handshake (another server's public key;
+but a TCP forwarder whose server still loads, or a server restarting, closes
+them too: such a server may serve later). ``handshake_refusal`` names the
+cause to a caller that probes with ``start_handshake(watch=True)``.
 
 ``on_sent``, when set, is called (and must not raise) on the calling thread
 after each request has been handed to ZeroMQ and before its reply is
@@ -250,6 +254,9 @@ class DraftClient:
         # Why the watched handshake's security handshakes failed (None: they
         # did not, or said nothing).
         self.handshake_refusal: str | None = None
+        # Whether that failure is one ZeroMQ does not retry (a closed
+        # connection is not: a forwarder or a restarting server closes it too).
+        self._refusal_final = False
         try:
             self._socket = self._connect()
         except zmq.ZMQError as exc:
@@ -301,6 +308,7 @@ class DraftClient:
         self._socket.close(linger=0)
         self._socket = self._connect(monitor)
         self.handshake_refusal = None
+        self._refusal_final = False
 
     def _failed(self, op: str, exc: zmq.ZMQError) -> TransportError:
         """The error of a failed round trip, after renewing the socket (a REQ
@@ -356,8 +364,9 @@ class DraftClient:
         timeout; the replies that follow must come from that server. A server
         other than ``known_server_id`` that holds requests holds them for an
         earlier verifier: CLEAR them (fresh epoch). A security handshake
-        that refuses this client raises ``IncompatibleServerError`` (at once
-        when it is final)."""
+        that refuses this client for good (ZeroMQ does not retry it) raises
+        ``IncompatibleServerError`` at once; one whose connections were only
+        closed names its likely cause in the ``TransportError``."""
         self.start_handshake(watch=True)
         try:
             self._await_pong()
@@ -365,9 +374,9 @@ class DraftClient:
         finally:
             self._stop_monitor()
         if info is None:
-            refusal = self.handshake_refusal
+            refusal, final = self.handshake_refusal, self._refusal_final
             self.abandon()
-            if refusal is not None:
+            if final:
                 raise IncompatibleServerError(
                     f"the security handshake with the draft server {self.address} "
                     f"failed: {refusal}"
@@ -375,6 +384,7 @@ class DraftClient:
             raise TransportError(
                 f"PING to the draft server {self.address} failed: no PONG "
                 f"within {self.timeout_ms} ms"
+                + (f": the security handshake failed: {refusal}" if refusal else "")
             )
         return info
 
@@ -405,12 +415,12 @@ class DraftClient:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshake_refusal = None
+                self.handshake_refusal, self._refusal_final = None, False
                 continue
-            self.handshake_refusal, is_final = self._handshake_refusal(
+            self.handshake_refusal, self._refusal_final = self._handshake_refusal(
                 event["event"], event["value"]
             )
-            final = final or is_final
+            final = final or self._refusal_final
         return final
 
     def _handshake_refusal(self, event: int, value: int) -> tuple[str | None, bool]:
