@@ -408,20 +408,19 @@ class DraftClient:
             raise self._failed(OP_PING, exc) from exc
 
     def _read_monitor(self) -> bool:
-        """The monitor's events so far taken into ``handshake_refusal``;
-        whether one of them was a final refusal."""
+        """The monitor's events so far taken into ``handshake_refusal`` (a
+        final refusal is kept until a handshake succeeds); whether it holds
+        a final one."""
         assert self._monitor is not None
-        final = False
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshake_refusal, self._refusal_final = None, False
-                continue
-            self.handshake_refusal, self._refusal_final = self._handshake_refusal(
-                event["event"], event["value"]
-            )
-            final = final or self._refusal_final
-        return final
+            elif not self._refusal_final:
+                self.handshake_refusal, self._refusal_final = self._handshake_refusal(
+                    event["event"], event["value"]
+                )
+        return self._refusal_final
 
     def _handshake_refusal(self, event: int, value: int) -> tuple[str | None, bool]:
         """What a failed security handshake says about the configuration, and
