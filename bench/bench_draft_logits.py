@@ -122,16 +122,12 @@ def start_server(
     with tempfile.TemporaryFile() as log:
         proc = popen(command, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         assert proc.stdout is not None
-        try:
-            if proc.stdout.readline().strip() == "serving":
-                # Its log from here on (none while it serves) is not kept.
-                return proc
-            proc.wait()
-            raise SystemExit(f"the table server did not start: {refusal(proc, log)}")
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+        # A way out of here leaves it to cli_types.run to stop.
+        if proc.stdout.readline().strip() == "serving":
+            # Its log from here on (none while it serves) is not kept.
+            return proc
+        proc.wait()
+        raise SystemExit(f"the table server did not start: {refusal(proc, log)}")
 
 
 class Case:

@@ -145,23 +145,17 @@ def start_server(
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{status_port}/readyz"
-    try:
-        for _ in range(1200):
-            if proc.poll() is not None:
-                raise SystemExit(
-                    f"the draft server did not start: {refusal(proc, log)}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as reply:
-                    if reply.status == 200:
-                        return proc
-            except OSError:
-                time.sleep(0.1)
-        raise SystemExit("the draft server did not become ready")
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    # A way out of here leaves it to cli_types.run to stop.
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"the draft server did not start: {refusal(proc, log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("the draft server did not become ready")
 
 
 class Case:

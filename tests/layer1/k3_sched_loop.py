@@ -556,6 +556,14 @@ class SchedulerLoop:
         raise AssertionError("requests did not finish")
 
 
+def run_together(loop: SchedulerLoop, specs: dict[str, Spec]) -> None:
+    """Add every one of ``specs`` at once and run them all to the end."""
+    for rid, spec in specs.items():
+        loop.add(rid, spec)
+    loop.run()
+    assert loop.finished.keys() == specs.keys()
+
+
 def run_in_order(
     loop: SchedulerLoop, specs: dict[str, Spec], late: str, abort: tuple[str, ...]
 ) -> list[str]:

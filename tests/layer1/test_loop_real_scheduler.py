@@ -25,6 +25,7 @@ from k3_sched_loop import (
     Spec,
     run_in_order,
     run_random_schedule,
+    run_together,
 )
 from k3_sched_loop import prompt_tokens as _prompt
 from toy_target import MAX_MODEL_LEN
@@ -127,10 +128,7 @@ def test_model_length_inside_a_draft_block_matches_target(make_loop, async_sched
         f"m{i}": Spec(_prompt(700 + i, MAX_MODEL_LEN - 9 - 2 * i), 40) for i in range(3)
     }
     specs["short"] = Spec(_prompt(710, 20), 30)
-    for rid, spec in specs.items():
-        loop.add(rid, spec)
-    loop.run()
-    assert loop.finished.keys() == specs.keys()
+    run_together(loop, specs)
     for i in range(3):
         assert len(loop.finished[f"m{i}"]) == 9 + 2 * i
     stats = loop.runner.stats

@@ -303,26 +303,13 @@ def test_inputs_beyond_token_ids_keep_reconnects_within_a_request(
 
 
 def test_the_verifier_drafts_through_curve_with_its_key_variables(
-    tmp_path, make_speculator, monkeypatch
+    make_speculator, monkeypatch, curve_setup
 ):
-    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
-    authorized = tmp_path / "authorized"
-    authorized.mkdir()
-    _, client_secret = zmq.auth.create_certificates(authorized, "client")
-    server = DraftServerProcess(
-        tmp_path / "server",
-        f"tcp://127.0.0.1:{free_tcp_port()}",
-        curve_secret_key=server_secret,
-        curve_authorized_keys=authorized,
-    ).start()
-    try:
-        monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(server_public))
-        monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(client_secret))
-        speculator, _ = make_speculator(server.address)
-        # Without the keys the server never answers: no drafts at all.
-        assert (_propose(speculator) >= 0).all()
-    finally:
-        server.stop()
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(curve_setup["server"]))
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(curve_setup["client"]))
+    speculator, _ = make_speculator(curve_setup["curve"])
+    # Without the keys the server never answers: no drafts at all.
+    assert (_propose(speculator) >= 0).all()
 
 
 @pytest.mark.parametrize(

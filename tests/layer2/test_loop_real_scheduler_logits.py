@@ -48,6 +48,7 @@ from k3_sched_loop import (
     prompt_tokens,
     run_in_order,
     run_random_schedule,
+    run_together,
 )
 from toy_target import MAX_MODEL_LEN
 
@@ -196,10 +197,7 @@ def test_model_length_inside_a_draft_block_verifies_the_wire_rows(
         for i in range(3)
     }
     specs["short"] = Spec(prompt_tokens(710, 20), 30, temperature=0.1)
-    for rid, spec in specs.items():
-        loop.add(rid, spec)
-    loop.run()
-    assert loop.finished.keys() == specs.keys()
+    run_together(loop, specs)
     for i in range(3):
         assert len(loop.finished[f"m{i}"]) == 9 + 2 * i
     _check_counts(loop)

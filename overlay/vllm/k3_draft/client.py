@@ -71,7 +71,7 @@ MAX_REPLY_HEADER_BYTES = 16 << 20
 _TRANSPORTS = ("tcp", "ipc", "inproc")
 # ZeroMQ socket timeouts are C ints (milliseconds).
 _MAX_TIMEOUT_MS = 2**31 - 1
-# What the first socket's monitor reports: how its security handshakes end.
+# What a watched socket's monitor reports: how its security handshakes end.
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -374,18 +374,14 @@ class DraftClient:
         finally:
             self._stop_monitor()
         if info is None:
-            refusal, final = self.handshake_refusal, self._refusal_final
-            self.abandon()
-            if final:
+            if self._refusal_final:
+                refusal = self.handshake_refusal
+                self.abandon()
                 raise IncompatibleServerError(
                     f"the security handshake with the draft server {self.address} "
                     f"failed: {refusal}"
                 )
-            raise TransportError(
-                f"PING to the draft server {self.address} failed: no PONG "
-                f"within {self.timeout_ms} ms"
-                + (f": the security handshake failed: {refusal}" if refusal else "")
-            )
+            raise self.abandon_handshake()
         return info
 
     def _await_pong(self) -> None:
@@ -526,6 +522,17 @@ class DraftClient:
     def abandon(self) -> None:
         """Drop an outstanding request: its reply, if any, is never read."""
         self._renew()
+
+    def abandon_handshake(self) -> TransportError:
+        """Drop the outstanding PING, unanswered within the RPC timeout; the
+        error saying so, with what its security handshakes said if watched."""
+        refusal = self.handshake_refusal
+        self.abandon()
+        return TransportError(
+            f"no PONG from the draft server {self.address} within "
+            f"{self.timeout_ms} ms"
+            + (f": the security handshake failed: {refusal}" if refusal else "")
+        )
 
     def close(self) -> None:
         self._stop_monitor()

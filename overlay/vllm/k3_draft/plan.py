@@ -412,14 +412,7 @@ class RemotePlan:
             if info is None:
                 if time.monotonic() < self._probe_deadline:
                     return False
-                # Why, if its security handshakes said (CURVE keys refused).
-                refusal = self.client.handshake_refusal
-                self.client.abandon()
-                raise TransportError(
-                    f"no PONG from the draft server {self.client.address} within "
-                    f"{self.client.timeout_ms} ms"
-                    + (f": the security handshake failed: {refusal}" if refusal else "")
-                )
+                raise self.client.abandon_handshake()
         except (TransportError, ProtocolError, RemoteError) as exc:
             self._probe_deadline = None
             self._go_offline(exc)
