@@ -21,6 +21,8 @@ import vllm.config.vllm as vllm_config_module
 from vllm.platforms.interface import Platform, PlatformEnum
 
 ADDRESS = "tcp://127.0.0.1:5599"
+NOT_ZEROMQ = "is not a ZeroMQ tcp://, ipc:// or inproc:// address"
+NOT_TCP = "is not tcp://HOST:PORT with a port in 1..65535"
 
 
 @pytest.fixture(autouse=True)
@@ -117,6 +119,34 @@ def test_the_legacy_dspark_address_leaves_dflash_on_upstreams_fallback(
     monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_ADDRESS", ADDRESS)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert not make_vllm_config(tmp_path).use_v2_model_runner
+
+
+@pytest.mark.parametrize(
+    "address, accepted",
+    [
+        ("127.0.0.1:5555", NOT_ZEROMQ),
+        (" tcp://127.0.0.1:5555", NOT_ZEROMQ),
+        ("ipc://", NOT_ZEROMQ),
+        ("tcp://127.0.0.1", NOT_TCP),
+        ("tcp://127.0.0.1:0", NOT_TCP),
+        ("tcp://127.0.0.1:70000", NOT_TCP),
+        ("tcp://127.0.0.1:5555 ", NOT_TCP),
+        ("tcp://*:5555", "names the bind wildcard '*', not a host to connect to"),
+    ],
+)
+@pytest.mark.parametrize(
+    "variable, method",
+    [
+        ("VLLM_K3_DRAFT_REMOTE_ADDRESS", "dflash"),
+        ("VLLM_K3_DSPARK_REMOTE_ADDRESS", "dspark"),
+    ],
+)
+def test_a_malformed_address_is_refused_when_the_config_is_built(
+    monkeypatch, tmp_path, variable, method, address, accepted
+):
+    monkeypatch.setenv(variable, address)
+    message = refusal(tmp_path, method=method)
+    assert message == f"{variable}: draft server address {address!r} {accepted}"
 
 
 @pytest.mark.parametrize(

@@ -533,15 +533,10 @@ def _start_up_refusal(config: Any) -> str:
 
 
 @pytest.mark.parametrize(
-    "address, accepted",
+    "address, reason",
     [
-        ("127.0.0.1:5555", "tcp://, ipc:// or inproc://"),
-        ("tcp://127.0.0.1", "tcp://HOST:PORT"),
-        ("tcp://127.0.0.1:0", "port in 1..65535"),
-        ("tcp://127.0.0.1:70000", "port in 1..65535"),
-        ("ipc://", "tcp://, ipc:// or inproc://"),
-        (" tcp://127.0.0.1:5555", "tcp://, ipc:// or inproc://"),
-        ("tcp://*:5555", "cannot connect"),
+        ("tcp://draft host:5555", "Invalid argument"),
+        ("ipc:///tmp/" + "x" * 200, "File name too long"),
     ],
 )
 @pytest.mark.parametrize(
@@ -551,15 +546,15 @@ def _start_up_refusal(config: Any) -> str:
         ("VLLM_K3_DSPARK_REMOTE_ADDRESS", "dspark"),
     ],
 )
-def test_a_malformed_address_is_refused_naming_its_variable(
-    tp_world, vllm_config_factory, monkeypatch, variable, method, address, accepted
+def test_an_address_zeromq_cannot_connect_to_is_refused_naming_its_variable(
+    tp_world, vllm_config_factory, monkeypatch, variable, method, address, reason
 ):
+    """Well-formed for the config's check, refused by ZeroMQ's connect."""
     for name in ("VLLM_K3_DRAFT_REMOTE_ADDRESS", "VLLM_K3_DSPARK_REMOTE_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, address)
     message = _start_up_refusal(vllm_config_factory(method=method))
-    assert message.startswith(f"{variable}: ")
-    assert accepted in message
+    assert message == f"{variable}: cannot connect to {address!r}: {reason}"
 
 
 @pytest.mark.parametrize(

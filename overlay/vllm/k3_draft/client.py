@@ -219,25 +219,37 @@ def check_server(pong: Mapping[str, Any], needs: ServerRequirements) -> ServerIn
     )
 
 
+def check_server_address(address: str) -> None:
+    """A ``ValueError`` unless ``address`` has the form of a draft server
+    address to connect to: ``tcp://HOST:PORT`` (port 1..65535, not the bind
+    wildcard ``*``), ``ipc://PATH`` or ``inproc://NAME``. Reads no network."""
+    transport, _, endpoint = address.partition("://")
+    if transport not in _TRANSPORTS or not endpoint:
+        raise ValueError(
+            f"draft server address {address!r} is not a ZeroMQ "
+            "tcp://, ipc:// or inproc:// address"
+        )
+    if transport == "tcp":
+        host, sep, port = endpoint.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"draft server address {address!r} is not tcp://HOST:PORT "
+                "with a port in 1..65535"
+            )
+        if host == "*":
+            raise ValueError(
+                f"draft server address {address!r} names the bind wildcard "
+                "'*', not a host to connect to"
+            )
+
+
 class DraftClient:
     """One REQ connection to a draft server; every call is one round trip."""
 
     def __init__(
         self, address: str, timeout_ms: int, curve: CurveKeys | None = None
     ) -> None:
-        transport, _, endpoint = address.partition("://")
-        if transport not in _TRANSPORTS or not endpoint:
-            raise ValueError(
-                f"draft server address {address!r} is not a ZeroMQ "
-                "tcp://, ipc:// or inproc:// address"
-            )
-        if transport == "tcp":
-            host, sep, port = endpoint.rpartition(":")
-            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-                raise ValueError(
-                    f"draft server address {address!r} is not tcp://HOST:PORT "
-                    "with a port in 1..65535"
-                )
+        check_server_address(address)
         if not 1 <= timeout_ms <= _MAX_TIMEOUT_MS:
             raise ValueError(
                 f"RPC timeout {timeout_ms} ms must be in 1..{_MAX_TIMEOUT_MS}"

@@ -5,15 +5,19 @@
 Only Model Runner V2 drafts remotely (``init_speculator`` picks
 ``RemoteK3DSparkSpeculator``); the V1 runner would load the draft locally and
 ignore the address. ``VllmConfig.use_v2_model_runner`` therefore asks
-``remote_draft_selects_v2`` before it considers the V1 fallback; without a
+``remote_draft_selects_v2`` before it considers the V1 fallback, and a
+malformed address is refused there, when the config is built; without a
 speculative config, an address set is warned about (it is ignored).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from vllm import envs
+from vllm.k3_draft.client import check_server_address
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.spec_decode import remote_draft_address
 
@@ -32,14 +36,26 @@ def remote_address_variable() -> str:
     )
 
 
+@contextlib.contextmanager
+def naming_variable(variable: str) -> Iterator[None]:
+    """A ``ValueError`` of the block, prefixed with the variable that set
+    what it refuses."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"{variable}: {exc}") from None
+
+
 def remote_draft_selects_v2(vllm_config: VllmConfig, v2_can_run: bool) -> bool:
     """Whether drafting is remote (``remote_draft_address``), so that Model
     Runner V2 must run this config.
 
-    ``v2_can_run`` is False where V2 lacks what it runs on (Triton). A remote
-    config V2 cannot run raises a one-line ValueError: V2 switched off with
-    ``VLLM_USE_V2_MODEL_RUNNER=0``, or, unless V2 is forced on, ``v2_can_run``
-    False or a feature V2 does not support yet (upstream's list).
+    ``v2_can_run`` is False where V2 lacks what it runs on (Triton). A
+    malformed address (``check_server_address``) raises a one-line ValueError
+    naming its variable, as does a remote config V2 cannot run: V2 switched
+    off with ``VLLM_USE_V2_MODEL_RUNNER=0``, or, unless V2 is forced on,
+    ``v2_can_run`` False or a feature V2 does not support yet (upstream's
+    list).
     """
     speculative_config = getattr(vllm_config, "speculative_config", None)
     if speculative_config is None:
@@ -63,6 +79,8 @@ def remote_draft_selects_v2(vllm_config: VllmConfig, v2_can_run: bool) -> bool:
     if address is None:
         return False
     name = remote_address_variable()
+    with naming_variable(name):
+        check_server_address(address)
     remote = f"Remote drafting ({name}={address}) requires Model Runner V2"
     forced = envs.VLLM_USE_V2_MODEL_RUNNER
     if forced is False:

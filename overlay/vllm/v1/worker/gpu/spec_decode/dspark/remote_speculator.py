@@ -29,8 +29,6 @@ Extension points for higher layers: ``resolution`` (a ``ResolutionStrategy``;
 from __future__ import annotations
 
 import abc
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +60,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.dspark.remote_selection import (
+    naming_variable,
     remote_address_variable,
 )
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
@@ -153,25 +152,15 @@ def remote_curve_keys() -> CurveKeys | None:
             "Set both VLLM_K3_DRAFT_CURVE_SERVER_KEY and "
             "VLLM_K3_DRAFT_CURVE_CLIENT_KEY, or neither."
         )
-    with _naming("VLLM_K3_DRAFT_CURVE_SERVER_KEY"):
+    with naming_variable("VLLM_K3_DRAFT_CURVE_SERVER_KEY"):
         server_public, _ = load_certificate(
             server_key, "the draft server's CURVE key", secret=False
         )
-    with _naming("VLLM_K3_DRAFT_CURVE_CLIENT_KEY"):
+    with naming_variable("VLLM_K3_DRAFT_CURVE_CLIENT_KEY"):
         client_public, client_secret = load_certificate(
             client_key, "the client CURVE key", secret=True
         )
     return CurveKeys(server_public, client_public, client_secret)
-
-
-@contextlib.contextmanager
-def _naming(variable: str) -> Iterator[None]:
-    """A ``ValueError`` of the block, prefixed with the variable that set
-    what it refuses."""
-    try:
-        yield
-    except ValueError as exc:
-        raise ValueError(f"{variable}: {exc}") from None
 
 
 class NoDraftIds:
@@ -308,7 +297,7 @@ class RemoteK3DSparkSpeculator(BaseSpeculator):
         )
         timeout_ms = envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS
         curve = remote_curve_keys()
-        with _naming(remote_address_variable()):
+        with naming_variable(remote_address_variable()):
             client = DraftClient(address, timeout_ms, curve)
         self.plan = RemotePlan(
             client,
