@@ -18,7 +18,7 @@ from k3stack.pin import Pin, load_pin
 from k3stack.refresh import refresh
 from k3stack.series import Stack, check_suites, load_stack
 from k3stack.upstream import from_checkout, from_sdist
-from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker
+from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker, tree_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TREE = ROOT / ".work" / "tree"
@@ -71,6 +71,11 @@ def check_tree_upstream(tree: Path, pin: Pin) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> None:
+    with tree_lock(args.tree, "build"):
+        _build(args)
+
+
+def _build(args: argparse.Namespace) -> None:
     stack, pin = load_stack(ROOT), load_pin()
     marker = current_marker(stack, args.tree)
     check_tree_upstream(args.tree, pin)
@@ -100,11 +105,14 @@ def cmd_site(args: argparse.Namespace) -> None:
     check_site_dest(args.dest)
     check_python(args.python, "pip")
     stack, pin = load_stack(ROOT), load_pin()
-    marker = current_marker(stack, args.tree)
-    check_tree_upstream(args.tree, pin)
-    wheel = fetch(pin.wheel(), pin.name)
     work = ROOT / ".work"
-    result = build(stack, pin, args.tree, wheel, work / "site-dist", marker["layers"])
+    with tree_lock(args.tree, "site"):
+        marker = current_marker(stack, args.tree)
+        check_tree_upstream(args.tree, pin)
+        wheel = fetch(pin.wheel(), pin.name)
+        result = build(
+            stack, pin, args.tree, wheel, work / "site-dist", marker["layers"]
+        )
     site0 = pristine_site(args.python, wheel, work / "qualify")
     install_site(args.python, site0, result.context / "stack", args.dest)
     print(f"site: {result.version} installed in {args.dest}")
@@ -139,7 +147,11 @@ def cmd_validate(args: argparse.Namespace) -> None:
 def cmd_rebase(args: argparse.Namespace) -> None:
     from k3stack.rebase import rebase_command
 
-    rebase_command(load_stack(ROOT), load_pin(), args)
+    if not args.port:
+        rebase_command(load_stack(ROOT), load_pin(), args)
+        return
+    with tree_lock(args.tree, "rebase --port"):
+        rebase_command(load_stack(ROOT), load_pin(), args)
 
 
 def cmd_qualify(args: argparse.Namespace) -> None:

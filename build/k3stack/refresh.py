@@ -28,6 +28,7 @@ from k3stack.worktree import (
     layer_digest,
     layer_tag,
     read_marker,
+    tree_lock,
     write_marker,
 )
 
@@ -129,6 +130,11 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
     """
     if not is_work_tree(tree):
         raise StackError(f"{tree} is not a work tree; run `nox -s apply` first")
+    with tree_lock(tree, "refresh"):
+        return _refresh(stack, tree, today)
+
+
+def _refresh(stack: Stack, tree: Path, today: dt.date | None) -> list[str]:
     marker = read_marker(tree)
     layers = applied_layers(stack, tree, marker)
     dirty = dirty_paths(tree)

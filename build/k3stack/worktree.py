@@ -9,6 +9,8 @@ commits a maintainer made since are never thrown away.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -17,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 
 from k3stack import StackError
@@ -29,6 +31,11 @@ from k3stack.upstream import source_ok
 MARKER = "k3stack-applied.json"
 # apply builds the tree in ``.<tree name><STAGING_MARK><random>`` beside it.
 STAGING_MARK = ".k3stack-apply-"
+# The commands that read or write a tree hold ``.<tree name><LOCK_MARK>``
+# beside it locked while they run.
+LOCK_MARK = ".k3stack-lock"
+# ... and moves the tree it replaces to ``.<tree name><ASIDE_MARK><random>``.
+ASIDE_MARK = ".k3stack-aside-"
 UPSTREAM_TAG = "upstream"
 # A diff's extended header line naming the blobs (hunk lines start otherwise).
 _INDEX_LINE = re.compile(rb"^index .*\n", re.MULTILINE)
@@ -176,8 +183,18 @@ def refuse_uncommitted(tree: Path) -> None:
         )
 
 
-def guard_existing(tree: Path) -> None:
-    """Refuse to replace ``tree`` if it holds work the patches do not."""
+def guard_existing(tree: Path, shown: Path | None = None) -> None:
+    """Refuse to replace ``tree`` if it holds work the patches do not
+    (``shown``: the name the errors give it, if not ``tree``)."""
+    try:
+        _guard_existing(tree)
+    except StackError as e:
+        if shown is None:
+            raise
+        raise StackError(str(e).replace(str(tree), str(shown))) from None
+
+
+def _guard_existing(tree: Path) -> None:
     if not tree.exists():
         return
     if not tree.is_dir():
@@ -282,47 +299,109 @@ def build_tree(
     """
     layers = stack.upto(upto)
     guard_existing(dest)
-    prefix = f".{dest.name}{STAGING_MARK}"
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(dest.parent, prefix)
-        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
-        lock = lock_folder(staging)
-        try:
-            # mkdtemp's 0700, not what the umask gives the tree's files.
-            staging.chmod(0o777 & ~_umask())
-            source = lay_out_pristine(staging)
-            git(staging, "init", "-q", "-b", "main")
-            commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
-            git(staging, "tag", UPSTREAM_TAG)
-            for layer in layers:
-                apply_layer(staging, stack, layer)
-                date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
-                commit_all(staging, layer.patch.commit_message(), date=date)
-                git(staging, "tag", layer_tag(layer.number))
-            write_marker(staging, len(layers), digests_of(stack, len(layers)), source)
-            # The old tree is renamed aside (a staging name: a killed apply's
-            # is removed by the next) before it is removed: an interrupt never
-            # leaves ``dest`` half removed.
-            old = None
-            if dest.exists():
-                old = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
-                dest.rename(old)
-            staging.rename(dest)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging)
-            os.close(lock)
+        with tree_lock(dest, "apply"):
+            _build_tree(stack, dest, lay_out_pristine, pristine_message, layers)
     except OSError as e:
         raise StackError(f"apply into {dest} failed: {e}") from e
+
+
+def _build_tree(
+    stack: Stack,
+    dest: Path,
+    lay_out_pristine: Callable[[Path], dict],
+    pristine_message: str,
+    layers: list[Layer],
+) -> None:
+    prefix = f".{dest.name}{STAGING_MARK}"
+    aside = f".{dest.name}{ASIDE_MARK}"
+    put_back_aside(dest, aside)
+    guard_existing(dest)  # again: another run may have changed it meanwhile
+    remove_stale_staging(dest.parent, prefix)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+    lock = lock_folder(staging)
+    try:
+        # mkdtemp's 0700, not what the umask gives the tree's files.
+        staging.chmod(0o777 & ~_umask())
+        source = lay_out_pristine(staging)
+        git(staging, "init", "-q", "-b", "main")
+        commit_all(staging, pristine_message, date="1980-01-01T00:00:00+0000")
+        git(staging, "tag", UPSTREAM_TAG)
+        for layer in layers:
+            apply_layer(staging, stack, layer)
+            date = f"{layer.patch.fields['Last-Update']}T00:00:00+0000"
+            commit_all(staging, layer.patch.commit_message(), date=date)
+            git(staging, "tag", layer_tag(layer.number))
+        write_marker(staging, len(layers), digests_of(stack, len(layers)), source)
+        # The old tree is renamed aside before it is removed: an interrupt
+        # never leaves ``dest`` half removed. It is guarded again once aside:
+        # a maintainer may have edited or committed in it while this apply
+        # laid out upstream, and an edit made after that check has no ``dest``
+        # left to land in. A run killed before ``dest`` is back leaves the old
+        # tree aside, and the next run puts it back.
+        old = None
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=aside, dir=dest.parent))
+            dest.rename(old)
+            try:
+                guard_existing(old, shown=dest)
+            except BaseException:
+                old.rename(dest)
+                raise
+        staging.rename(dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+        os.close(lock)
+
+
+def put_back_aside(dest: Path, aside: str) -> None:
+    """Finish what a killed apply left of the tree it was replacing: with no
+    ``dest``, its old tree goes back in place (it may hold work made while
+    that apply ran); beside a new ``dest`` it had been checked and goes."""
+    for old in sorted(dest.parent.glob(f"{glob.escape(aside)}*")):
+        if old.is_symlink() or not old.is_dir():
+            continue
+        if dest.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.rename(dest)
 
 
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+@contextlib.contextmanager
+def tree_lock(tree: Path, command: str) -> Iterator[None]:
+    """Hold the lock of work tree ``tree`` (a file beside it) while ``command``
+    reads or writes it; ``StackError`` at once if another run holds it. Where
+    the folder is read-only nothing can write the tree: no lock is needed."""
+    path = tree.parent / f".{tree.name}{LOCK_MARK}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+            yield
+            return
+        raise
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StackError(
+                f"{command}: another run of the tooling (apply, refresh, build, "
+                f"site or rebase --port) is using {tree}; refused: wait for it to "
+                "finish"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def lock_folder(folder: Path) -> int:

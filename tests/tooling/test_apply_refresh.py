@@ -848,7 +848,7 @@ def test_an_apply_interrupted_while_it_replaces_the_tree_can_be_run_again(
     assert git(filled.tree, "rev-parse", "HEAD") == head
     assert git(filled.tree, "status", "--porcelain") == ""
     assert sorted(p.name for p in filled.tree.parent.iterdir()) == sorted(
-        ["checkout", "tree", filled.sdist.name, filled.wheel.name]
+        ["checkout", "tree", ".tree.k3stack-lock", filled.sdist.name, filled.wheel.name]
     )
 
 
@@ -1212,3 +1212,113 @@ def test_an_interrupted_command_says_so_in_one_line_and_exits_130(
     monkeypatch.setattr(cli, "fetch", interrupted)
     assert cli.main(["apply", "--tree", str(synthetic.tree)]) == 130
     assert capsys.readouterr().err == "error: apply: interrupted\n"
+
+
+def laying_out_while(syn: Synthetic, edit: Callable[[Path], None]) -> object:
+    """The sdist lay-out of ``syn``, run while ``edit(tree)`` changes the tree
+    apply is about to replace: a maintainer saving a file or committing in a
+    second terminal during an apply (tens of seconds on vLLM's sdist)."""
+    from k3stack.upstream import from_sdist
+
+    lay_out = from_sdist(syn.sdist)
+
+    def during(folder: Path) -> dict:
+        edit(syn.tree)
+        return lay_out(folder)
+
+    return during
+
+
+def test_an_edit_made_in_the_tree_while_apply_runs_is_kept_and_refused(
+    filled: Synthetic,
+) -> None:
+    from k3stack.worktree import build_tree
+
+    head = git(filled.tree, "rev-parse", "HEAD")
+
+    def save(tree: Path) -> None:
+        (tree / "vllm/envs.py").write_text("saved during apply\n")
+
+    with pytest.raises(StackError, match=r"tree has uncommitted edits .*vllm/envs.py"):
+        build_tree(
+            filled.stack(), filled.tree, laying_out_while(filled, save), "vllm 1.0\n"
+        )
+    assert (filled.tree / "vllm/envs.py").read_text() == "saved during apply\n"
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+    assert sorted(p.name for p in filled.tree.parent.iterdir()) == sorted(
+        ["checkout", "tree", ".tree.k3stack-lock", filled.sdist.name, filled.wheel.name]
+    )
+
+
+def test_a_commit_made_in_the_tree_while_apply_runs_is_kept_and_refused(
+    filled: Synthetic,
+) -> None:
+    from k3stack.worktree import build_tree
+
+    def commit(tree: Path) -> None:
+        (tree / "vllm/envs.py").write_text("committed during apply\n")
+        git(tree, "commit", "-q", "-a", "--amend", "--no-edit")
+
+    with pytest.raises(StackError, match="commits that are not in patches/ yet"):
+        build_tree(
+            filled.stack(), filled.tree, laying_out_while(filled, commit), "v 1.0\n"
+        )
+    assert git(filled.tree, "show", "HEAD:vllm/envs.py") == "committed during apply"
+
+
+def test_apply_puts_back_the_tree_a_killed_apply_had_moved_aside(
+    filled: Synthetic,
+) -> None:
+    """SIGKILL while apply checks the tree it moved aside: the next apply
+    finds no tree, puts the old one back and checks it, edits and all."""
+    aside = filled.tree.parent / ".tree.k3stack-aside-killed"
+    (filled.tree / "vllm/envs.py").write_text("saved during the killed apply\n")
+    filled.tree.rename(aside)
+    with pytest.raises(StackError, match="has uncommitted edits"):
+        filled.apply()
+    assert (filled.tree / "vllm/envs.py").read_text() == (
+        "saved during the killed apply\n"
+    )
+    assert not aside.exists()
+
+
+def test_apply_removes_the_old_tree_a_killed_apply_left_beside_the_new(
+    filled: Synthetic,
+) -> None:
+    aside = filled.tree.parent / ".tree.k3stack-aside-killed"
+    (aside / "vllm").mkdir(parents=True)  # what rmtree had left of it
+    filled.apply()
+    assert not aside.exists()
+    assert git(filled.tree, "status", "--porcelain") == ""
+
+
+@pytest.mark.parametrize("command", ["apply", "refresh", "build", "site"])
+def test_a_second_run_on_a_tree_in_use_is_refused_in_one_line(
+    filled: Synthetic,
+    command: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An engineer runs apply in one terminal and apply (or refresh, build)
+    in another: the second is refused at once, the tree left as it is."""
+    from k3stack import cli
+    from k3stack.worktree import tree_lock
+
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    monkeypatch.setattr(cli, "load_pin", lambda: filled.pin)
+    cached = {filled.pin.sdist.filename: filled.sdist, filled.wheel.name: filled.wheel}
+    monkeypatch.setattr(cli, "fetch", lambda artifact, _: cached[artifact.filename])
+    head = git(filled.tree, "rev-parse", "HEAD")
+    argv = [command, "--tree", str(filled.tree)]
+    if command == "site":
+        argv += ["--dest", str(filled.root / "site")]
+    with tree_lock(filled.tree, "apply"):
+        assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {command}: another run of the tooling (apply, refresh, build, "
+        f"site or rebase --port) is using {filled.tree}; refused: wait for it to "
+        "finish\n"
+    )
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+    assert cli.main(["refresh", "--tree", str(filled.tree)]) == 0  # released
