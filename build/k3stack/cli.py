@@ -16,7 +16,7 @@ from k3stack.fetch import fetch
 from k3stack.gitutil import git
 from k3stack.pin import Pin, load_pin
 from k3stack.refresh import refresh
-from k3stack.series import Stack, check_suites, load_stack
+from k3stack.series import Stack, check_layering, check_suites, load_stack
 from k3stack.upstream import from_checkout, from_sdist
 from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker, tree_lock
 
@@ -139,8 +139,10 @@ def check_site_dest(dest: Path) -> None:
 def cmd_validate(args: argparse.Namespace) -> None:
     stack = load_stack(ROOT)
     check_suites(stack)
+    check_layering(stack)
     print(
-        f"validate: {len(stack.layers)} layers, series, overlay ownership and suites ok"
+        f"validate: {len(stack.layers)} layers, series, overlay ownership, layering "
+        "and suites ok"
     )
 
 

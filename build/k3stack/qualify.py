@@ -37,7 +37,7 @@ from k3stack.fetch import fetch
 from k3stack.gitutil import git_bytes
 from k3stack.install import matches_record
 from k3stack.pin import Pin
-from k3stack.series import Layer, Stack, check_suites
+from k3stack.series import Layer, Stack, check_layering, check_suites
 from k3stack.upstream import from_sdist, require_tar_filters
 from k3stack.worktree import UPSTREAM_TAG, build_tree, layer_tag
 
@@ -743,6 +743,7 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
     out: Path = args.out
     stale = earlier_report(out)
     check_suites(stack)
+    check_layering(stack)
     for path in stale:
         path.unlink()
     out.mkdir(parents=True, exist_ok=True)

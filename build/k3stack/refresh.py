@@ -19,7 +19,7 @@ from k3stack.patchfile import (
     parse_commit_message,
     parse_diff,
 )
-from k3stack.series import Layer, Stack, load_stack
+from k3stack.series import Layer, Stack, check_layering, load_stack
 from k3stack.worktree import (
     UPSTREAM_TAG,
     applied_layers,
@@ -212,6 +212,7 @@ def _refresh(stack: Stack, tree: Path, today: dt.date | None) -> list[str]:
             shutil.copytree(stack.root / part, Path(scratch) / part)
         _write_back(load_stack(Path(scratch)), pending, today)
         refreshed = load_stack(Path(scratch))
+        check_layering(refreshed)
         if pending:
             _refuse_unappliable_upper_layers(tree, refreshed.layers[applied:])
     changed = _write_back(stack, pending, today)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -174,3 +175,51 @@ def check_suites(stack: Stack) -> None:
         for path in layer.patch.suite:
             if not (stack.root / path).exists():
                 raise StackError(f"{layer.name}: Suite path {path} does not exist")
+
+
+def check_layering(stack: Stack) -> None:
+    """No layer names a module that a higher layer adds, in the lines its diff
+    adds or in its overlay files: such a layer is no prefix of the stack (its
+    prefix refers to a file it lacks). It is what a hunk that leaked into a
+    lower layer's patch looks like, as when a rebase conflict of a lower layer
+    is resolved with a file holding the higher layers' hooks too, and git then
+    drops the higher layer's hunk as already applied."""
+    for layer in stack.layers:
+        sources: list[tuple[str, str]] = []
+        for fp in layer.patch.files:
+            for index, hunk in enumerate(fp.hunks, start=1):
+                added = b"".join(text for op, text in hunk.lines if op == b"+")
+                where = f"{fp.path} hunk {index} ({hunk.header})"
+                sources.append((where, added.decode("utf-8", "replace")))
+        for rel in layer.patch.overlay:
+            data = (stack.overlay_dir / rel).read_bytes()
+            sources.append((f"overlay file {rel}", data.decode("utf-8", "replace")))
+        for higher in stack.layers[layer.number :]:
+            for rel in higher.patch.overlay:
+                pattern = _module_pattern(rel)
+                if pattern is None:
+                    continue
+                for where, text in sources:
+                    if pattern.search(text):
+                        raise StackError(
+                            f"{layer.name}: {where} uses {rel}, which layer "
+                            f"{higher.number} ({higher.name}) adds: a lower layer "
+                            "cannot use a higher one's file (a hunk of the higher "
+                            "layer in the lower one's patch?)"
+                        )
+
+
+def _module_pattern(rel: str) -> re.Pattern[str] | None:
+    """How Python code names overlay file ``rel``'s module: its dotted name,
+    or its parent package's ``from ... import`` of it."""
+    if not rel.endswith(".py"):
+        return None
+    parts = rel.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    dotted = re.escape(".".join(parts))
+    parent, name = re.escape(".".join(parts[:-1])), re.escape(parts[-1])
+    return re.compile(
+        rf"(?<![\w.]){dotted}(?!\w)"
+        rf"|\bfrom\s+{parent}\s+import\s+(?:\([^)]*|[^\n]*)(?<![\w.]){name}(?!\w)"
+    )

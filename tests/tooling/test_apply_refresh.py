@@ -1322,3 +1322,35 @@ def test_a_second_run_on_a_tree_in_use_is_refused_in_one_line(
     )
     assert git(filled.tree, "rev-parse", "HEAD") == head
     assert cli.main(["refresh", "--tree", str(filled.tree)]) == 0  # released
+
+
+def test_refresh_refuses_a_higher_layers_hunk_that_a_rebase_left_in_a_lower_layer(
+    filled: Synthetic,
+) -> None:
+    """A rebase conflict of layer 1 resolved with the file as the whole stack
+    has it: git drops layer 2's hunk as already applied, and layer 1 would
+    carry layer 2's hook, which uses layer 2's module."""
+    hooked = (
+        (filled.tree / "vllm/model.py")
+        .read_text()
+        .replace(
+            "def step_10():\n", "from vllm.logits import TOPK\n\n\ndef step_10():\n"
+        )
+    )
+    filled.amend(2, {"vllm/model.py": hooked})
+    filled.take_back("layer 2 hook")
+    before = snapshot(filled)
+    only_hook = UPSTREAM_FILES["vllm/model.py"].replace(
+        "def step_10():\n", "from vllm.logits import TOPK\n\n\ndef step_10():\n"
+    )
+    amend_with(filled, 1, lambda tree: (tree / "vllm/model.py").write_text(only_hook))
+    layer_2 = git(filled.tree, "diff", "HEAD~2", "HEAD~1", "--", "vllm/model.py")
+    assert "+from vllm.logits" not in layer_2  # git dropped it: already applied
+    with pytest.raises(
+        StackError,
+        match=r"^0001-layer-1.patch: vllm/model.py hunk 1 \(@@ -28,6 \+28,9 @@ "
+        r"def step_8\(\):\) uses "
+        r"vllm/logits.py, which layer 2 \(0002-layer-2.patch\) adds",
+    ):
+        refresh(filled.stack(), filled.tree)
+    assert snapshot(filled) == before

@@ -11,7 +11,7 @@ from conftest import Synthetic
 
 from k3stack import StackError
 from k3stack.patchfile import apply_exact, parse_diff
-from k3stack.series import check_suites, load_stack
+from k3stack.series import check_layering, check_suites, load_stack
 
 
 def claim(syn: Synthetic, n: int, rel: str) -> None:
@@ -324,3 +324,56 @@ def test_the_stack_hash_changes_with_a_patch_or_an_overlay_file(
     path = filled.root / edit
     path.write_text(path.read_text().replace("64", "65"))
     assert load_stack(filled.root).stack_hash() != before
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        "import vllm.logits\n",
+        "from vllm.logits import TOPK\n",
+        "from vllm import (\n    envs,\n    logits,\n)\n",
+    ],
+)
+def test_a_lower_layer_using_a_higher_layers_module_is_refused(
+    filled: Synthetic,
+    use: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Layer 1's overlay file (or a hunk that leaked into its patch) uses
+    layer 2's module: layer 1 is no prefix of the stack; validate says so."""
+    from k3stack import cli
+
+    check_layering(load_stack(filled.root))
+    (filled.root / "overlay/vllm/remote/__init__.py").write_text(use + "PORT = 1\n")
+    with pytest.raises(StackError) as info:
+        check_layering(load_stack(filled.root))
+    assert str(info.value) == (
+        "0001-layer-1.patch: overlay file vllm/remote/__init__.py uses "
+        "vllm/logits.py, which layer 2 (0002-layer-2.patch) adds: a lower layer "
+        "cannot use a higher one's file (a hunk of the higher layer in the lower "
+        "one's patch?)"
+    )
+    for n in (1, 2, 3):
+        (filled.root / f"tests/layer{n}").mkdir(parents=True)
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    assert cli.main(["validate"]) == 1
+    assert capsys.readouterr().err == f"error: {info.value}\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import vllm.logits_extra\n",
+        "from vllm.remote import logits\n",
+        "# vllm.logitsx\nX = 'vllm/logits'\n",
+    ],
+)
+def test_a_lower_layer_naming_other_modules_passes(
+    filled: Synthetic, text: str
+) -> None:
+    (filled.root / "overlay/vllm/remote/__init__.py").write_text(text)
+    check_layering(load_stack(filled.root))
+    # A higher layer uses a lower one's module: that is how layers extend.
+    (filled.root / "overlay/vllm/logits.py").write_text("import vllm.remote\n")
+    check_layering(load_stack(filled.root))
