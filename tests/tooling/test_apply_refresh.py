@@ -1214,7 +1214,9 @@ def test_an_interrupted_command_says_so_in_one_line_and_exits_130(
     assert capsys.readouterr().err == "error: apply: interrupted\n"
 
 
-def laying_out_while(syn: Synthetic, edit: Callable[[Path], None]) -> object:
+def laying_out_while(
+    syn: Synthetic, edit: Callable[[Path], None]
+) -> Callable[[Path], dict]:
     """The sdist lay-out of ``syn``, run while ``edit(tree)`` changes the tree
     apply is about to replace: a maintainer saving a file or committing in a
     second terminal during an apply (tens of seconds on vLLM's sdist)."""
@@ -1343,7 +1345,11 @@ def test_refresh_refuses_a_higher_layers_hunk_that_a_rebase_left_in_a_lower_laye
     only_hook = UPSTREAM_FILES["vllm/model.py"].replace(
         "def step_10():\n", "from vllm.logits import TOPK\n\n\ndef step_10():\n"
     )
-    amend_with(filled, 1, lambda tree: (tree / "vllm/model.py").write_text(only_hook))
+
+    def hook(tree: Path) -> None:
+        (tree / "vllm/model.py").write_text(only_hook)
+
+    amend_with(filled, 1, hook)
     layer_2 = git(filled.tree, "diff", "HEAD~2", "HEAD~1", "--", "vllm/model.py")
     assert "+from vllm.logits" not in layer_2  # git dropped it: already applied
     with pytest.raises(
