@@ -15,7 +15,7 @@ from k3stack.artifacts import build, docker_build
 from k3stack.fetch import fetch
 from k3stack.gitutil import git
 from k3stack.pin import Pin, load_pin
-from k3stack.refresh import refresh
+from k3stack.refresh import finish_write_back, refresh
 from k3stack.series import Stack, check_layering, check_suites, load_stack
 from k3stack.upstream import from_checkout, from_sdist
 from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker, tree_lock
@@ -51,7 +51,10 @@ def cmd_apply(args: argparse.Namespace) -> None:
 
 
 def cmd_refresh(args: argparse.Namespace) -> None:
-    changed = refresh(load_stack(ROOT), args.tree)
+    # What an interrupted refresh left half written is finished first: until
+    # then the checkout may not load.
+    changed = finish_write_back(ROOT)
+    changed += refresh(load_stack(ROOT), args.tree)
     for line in changed:
         print(f"refresh: {line}")
     print(f"refresh: {len(changed)} files changed")

@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import glob
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -27,6 +30,7 @@ from k3stack.worktree import (
     disk_digest,
     layer_digest,
     layer_tag,
+    lock_folder,
     read_marker,
     tree_lock,
     write_marker,
@@ -34,6 +38,10 @@ from k3stack.worktree import (
 
 EXECUTABLE_MODE = "100755"
 SYMLINK_MODE = "120000"
+# The checkout's files a refresh writes are staged in a folder named so in
+# its (git-ignored) .work/, then moved into place as its journal lists them.
+STAGING_PREFIX = "refresh-staging-"
+JOURNAL = "journal.json"
 
 
 def _tree_files(tree: Path, rev: str) -> set[str]:
@@ -126,12 +134,16 @@ def refresh(stack: Stack, tree: Path, today: dt.date | None = None) -> list[str]
 
     Refused when the work tree or the checkout's patches/ and overlay/ hold
     uncommitted edits, when HEAD does not descend from the pristine commit, or
-    when the commits on top of it are not one per applied layer.
+    when the commits on top of it are not one per applied layer. What an
+    interrupted refresh left half written is finished first.
     """
     if not is_work_tree(tree):
         raise StackError(f"{tree} is not a work tree; run `nox -s apply` first")
     with tree_lock(tree, "refresh"):
-        return _refresh(stack, tree, today)
+        finished = finish_write_back(stack.root)
+        if finished:
+            stack = load_stack(stack.root)
+        return finished + _refresh(stack, tree, today)
 
 
 def _refresh(stack: Stack, tree: Path, today: dt.date | None) -> list[str]:
@@ -187,10 +199,10 @@ def _refresh(stack: Stack, tree: Path, today: dt.date | None) -> list[str]:
             synced.add(layer.number)
             continue
         pending.append((layer, patch, owned, applied_digest))
+    targets = {f"patches/{layer.name}" for layer, *_ in pending}
+    for layer, _, owned, _ in pending:
+        targets |= {f"overlay/{rel}" for rel in [*owned, *layer.patch.overlay]}
     if is_work_tree(stack.root):
-        targets = {f"patches/{layer.name}" for layer, *_ in pending}
-        for layer, _, owned, _ in pending:
-            targets |= {f"overlay/{rel}" for rel in [*owned, *layer.patch.overlay]}
         clash = sorted(set(dirty_paths(stack.root, "patches", "overlay")) & targets)
         if clash:
             raise StackError(
@@ -210,12 +222,12 @@ def _refresh(stack: Stack, tree: Path, today: dt.date | None) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="k3-refresh-") as scratch:
         for part in ("patches", "overlay"):
             shutil.copytree(stack.root / part, Path(scratch) / part)
-        _write_back(load_stack(Path(scratch)), pending, today)
+        changed = _write_back(load_stack(Path(scratch)), pending, today)
         refreshed = load_stack(Path(scratch))
         check_layering(refreshed)
         if pending:
             _refuse_unappliable_upper_layers(tree, refreshed.layers[applied:])
-    changed = _write_back(stack, pending, today)
+        _put_in_place(stack.root, Path(scratch), targets, changed)
     for number, commit in enumerate(commits, start=1):
         git(tree, "tag", "-f", layer_tag(number), commit)
     # What the tree holds: the layers written back are now on disk as they
@@ -343,3 +355,106 @@ def _write_overlay(
             (stack.overlay_dir / rel).unlink(missing_ok=True)
             changed.append(f"overlay/{rel}: removed")
     return changed
+
+
+def _sha(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def _put_in_place(
+    root: Path, scratch: Path, paths: set[str], changed: list[str]
+) -> None:
+    """Give the checkout at ``root`` the files ``paths`` as ``scratch`` holds
+    them. Each is staged whole first, then a journal, then the moves: a run
+    stopped at any point (SIGKILL, Ctrl-C) leaves no file torn, and the next
+    refresh finishes what the journal lists (``finish_write_back``)."""
+    files = [
+        (rel, scratch / rel if (scratch / rel).is_file() else None)
+        for rel in sorted(paths)
+        if _sha(scratch / rel) != _sha(root / rel)
+    ]
+    if not files:
+        return
+    (root / ".work").mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root / ".work"))
+    lock = lock_folder(staging)  # no other run takes it for a killed one's
+    try:
+        journal = []
+        for i, (rel, source) in enumerate(files):
+            staged = None
+            if source is not None:
+                staged = str(i)
+                shutil.copyfile(source, staging / staged)
+                if (root / rel).is_file():
+                    shutil.copymode(root / rel, staging / staged)
+            journal.append([rel, staged, _sha(root / rel), _sha(scratch / rel)])
+        partial = staging / f"{JOURNAL}.partial"
+        partial.write_text(json.dumps({"files": journal, "changed": changed}))
+        os.replace(partial, staging / JOURNAL)
+        _move_into_place(root, staging, journal)
+        shutil.rmtree(staging)
+    except BaseException:
+        if not (staging / JOURNAL).is_file():  # nothing moved yet
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        os.close(lock)
+
+
+def _move_into_place(root: Path, staging: Path, journal: list) -> None:
+    for rel, staged, _, after in journal:
+        target = root / rel
+        if _sha(target) == after:
+            continue  # moved by the run that staged it
+        if staged is None:
+            target.unlink(missing_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / staged, target)
+
+
+def finish_write_back(root: Path) -> list[str]:
+    """Finish the moves of the refreshes that were stopped while writing into
+    the checkout at ``root`` (their staging folders that no running refresh
+    holds); return their lines of changed files. A staging folder without
+    journal (stopped before any move), or whose files are all back as they
+    were (`git checkout`: the tree still holds the layers), just goes;
+    ``StackError`` if a file was changed otherwise since."""
+    changed: list[str] = []
+    work = root / ".work"
+    for staging in sorted(work.glob(f"{glob.escape(STAGING_PREFIX)}*")):
+        if staging.is_symlink() or not staging.is_dir():
+            continue
+        try:
+            lock = lock_folder(staging)
+        except BlockingIOError:
+            continue  # a refresh writing now
+        try:
+            if (staging / JOURNAL).is_file():
+                changed += _finish(root, staging)
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            os.close(lock)
+    return changed
+
+
+def _finish(root: Path, staging: Path) -> list[str]:
+    fields = json.loads((staging / JOURNAL).read_text())
+    journal = fields["files"]
+    now = {rel: _sha(root / rel) for rel, *_ in journal}
+    unfinished = [
+        rel
+        for rel, staged, before, after in journal
+        if now[rel] != after
+        and (now[rel] != before or (staged and not (staging / staged).is_file()))
+    ]
+    if not unfinished:
+        _move_into_place(root, staging, journal)
+        return list(fields["changed"])
+    if all(now[rel] == before for rel, _, before, _ in journal):
+        return []
+    raise StackError(
+        f"{root}/{unfinished[0]} changed since a refresh was stopped half-way "
+        "writing it and other files; refused: stash the changes (git stash -u "
+        "-- patches overlay), then run refresh again"
+    )

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import json
 import os
 import re
@@ -1360,3 +1362,200 @@ def test_refresh_refuses_a_higher_layers_hunk_that_a_rebase_left_in_a_lower_laye
     ):
         refresh(filled.stack(), filled.tree)
     assert snapshot(filled) == before
+
+
+def two_layers_changed(syn: Synthetic) -> None:
+    """Work in the tree whose refresh changes five checkout files: layer 1
+    updates, adds and diffs, layer 2 removes its overlay file."""
+    syn.apply()
+    envs = (syn.tree / "vllm/envs.py").read_text().replace("= 7\n", "= 77\n")
+    syn.amend(
+        1,
+        {
+            "vllm/envs.py": envs,
+            "vllm/remote/__init__.py": "PORT = 2\n",
+            "vllm/remote/client.py": "TIMEOUT = 5\n",
+        },
+    )
+    syn.amend(2, {}, delete=("vllm/logits.py",))
+
+
+def refreshed_copy(syn: Synthetic, tmp_path: Path) -> tuple[dict[str, bytes], str]:
+    """The files and lines an uninterrupted refresh gives, run on a copy."""
+    import shutil
+
+    from k3stack import cli
+
+    copy = Synthetic(
+        tmp_path / "copy/checkout", syn.sdist, syn.wheel, syn.pin, syn.tree
+    )
+    shutil.copytree(syn.root, copy.root, symlinks=True)
+    shutil.copytree(syn.tree, tmp_path / "copy/tree", symlinks=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cli, "ROOT", copy.root)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["refresh", "--tree", str(tmp_path / "copy/tree")]) == 0
+    return snapshot(copy), out.getvalue()
+
+
+def stop_at_change(
+    m: pytest.MonkeyPatch, syn: Synthetic, k: int, torn: bool = False
+) -> None:
+    """Ctrl-C at the ``k``-th write into the checkout (after ``torn``: half
+    of the file written), as SIGKILL there would stop the run."""
+    import shutil
+
+    seen = [0]
+    replace, copyfile = os.replace, shutil.copyfile
+    write_bytes, unlink = Path.write_bytes, Path.unlink
+
+    def stop(path: object, half: Callable[[], object] | None = None) -> None:
+        inside = Path(str(path)).is_relative_to(syn.root)
+        if inside and (torn or "refresh-staging-" not in str(path)):
+            seen[0] += 1
+            if seen[0] == k:
+                if torn and half is not None:
+                    half()
+                raise KeyboardInterrupt
+
+    def replaced(src: str, dst: str) -> None:
+        stop(dst)
+        replace(src, dst)
+
+    def copied(src: str, dst: str, **kwargs: bool) -> object:
+        data = Path(src).read_bytes()
+        stop(dst, lambda: write_bytes(Path(dst), data[: len(data) // 2]))
+        return copyfile(src, dst, **kwargs)
+
+    def written(path: Path, data: bytes) -> int:
+        stop(path, lambda: write_bytes(path, data[: len(data) // 2]))
+        return write_bytes(path, data)
+
+    def unlinked(path: Path, missing_ok: bool = False) -> None:
+        stop(path)
+        unlink(path, missing_ok=missing_ok)
+
+    m.setattr(os, "replace", replaced)
+    m.setattr(shutil, "copyfile", copied)
+    m.setattr(Path, "write_bytes", written)
+    m.setattr(Path, "unlink", unlinked)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_refresh_run_again_after_ctrl_c_or_sigkill_gives_the_uninterrupted_result(
+    filled: Synthetic,
+    tmp_path: Path,
+    k: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Stopped after ``k - 1`` of its five checkout changes, some overlay
+    files are new and their patch old: run again, refresh writes the rest
+    (no refusal of its own writes as uncommitted edits) and says all five."""
+    from k3stack import cli
+
+    two_layers_changed(filled)
+    files, lines = refreshed_copy(filled, tmp_path)
+    assert lines.endswith("refresh: 5 files changed\n")
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, k)
+        assert cli.main(["refresh", "--tree", str(filled.tree)]) == 130
+    assert capsys.readouterr().err == "error: refresh: interrupted\n"
+    assert cli.main(["refresh", "--tree", str(filled.tree)]) == 0
+    assert capsys.readouterr().out == lines
+    assert snapshot(filled) == files
+    assert refresh(filled.stack(), filled.tree) == []
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_refresh_stopped_while_writing_a_file_leaves_no_checkout_file_torn(
+    filled: Synthetic, tmp_path: Path, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    two_layers_changed(filled)
+    before = snapshot(filled)
+    files, _ = refreshed_copy(filled, tmp_path)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, k, torn=True)
+        with pytest.raises(KeyboardInterrupt):
+            refresh(filled.stack(), filled.tree)
+    for rel, data in snapshot(filled).items():
+        assert data in (before.get(rel), files.get(rel)), rel
+
+
+def killed_refresh_staging(syn: Synthetic) -> Path:
+    """What SIGKILL while refresh stages its files leaves in the checkout."""
+    staging = syn.root / ".work" / "refresh-staging-killed"
+    staging.mkdir(parents=True)
+    (staging / "0").write_text("PORT = ")  # torn: the kill came mid-write
+    return staging
+
+
+def test_refresh_removes_the_staging_folder_a_killed_refresh_left(
+    filled: Synthetic,
+) -> None:
+    two_layers_changed(filled)
+    staging = killed_refresh_staging(filled)
+    assert len(refresh(filled.stack(), filled.tree)) == 5
+    assert not staging.exists()
+    assert (filled.root / "overlay/vllm/remote/__init__.py").read_text() == (
+        "PORT = 2\n"
+    )
+
+
+def test_refresh_keeps_a_staging_folder_that_a_running_refresh_holds(
+    filled: Synthetic,
+) -> None:
+    import fcntl
+
+    staging = killed_refresh_staging(filled)
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        refresh(filled.stack(), filled.tree)
+    finally:
+        os.close(fd)
+    assert (staging / "0").read_text() == "PORT = "
+
+
+def test_a_file_edited_after_an_interrupted_refresh_is_kept_and_refused(
+    filled: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C half-way, then a hand edit of a file refresh had not written
+    yet: the next refresh does not finish over it."""
+    from k3stack import cli
+
+    two_layers_changed(filled)
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, 2)
+        assert cli.main(["refresh", "--tree", str(filled.tree)]) == 130
+    edited = filled.root / "patches/0001-layer-1.patch"
+    edited.write_text(edited.read_text().replace("Layer 1.", "Layer one."))
+    assert cli.main(["refresh", "--tree", str(filled.tree)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {edited} changed since a refresh was stopped half-way writing "
+        "it and other files; refused: stash the changes (git stash -u -- patches "
+        "overlay), then run refresh again"
+    )
+    assert "Description: Layer one." in edited.read_text()
+
+
+def test_refresh_after_an_interrupted_one_was_reverted_gives_the_uninterrupted_result(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C half-way, then `git checkout` and `git clean` of the checkout:
+    refresh writes everything again (the tree holds the layers)."""
+    two_layers_changed(filled)
+    files, _ = refreshed_copy(filled, tmp_path)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, 3)
+        with pytest.raises(KeyboardInterrupt):
+            refresh(filled.stack(), filled.tree)
+    git(filled.root, "checkout", "--", "patches", "overlay")
+    git(filled.root, "clean", "-qfd", "overlay")
+    assert len(refresh(filled.stack(), filled.tree)) == 5
+    assert snapshot(filled) == files
