@@ -6,6 +6,7 @@ import logging
 import threading
 
 import pytest
+import zmq
 import zmq.auth
 from k3_layer1_server import free_tcp_port
 
@@ -28,6 +29,10 @@ from vllm.k3_draft.security import (
         "tcp://127.3.2.1:1",
         "tcp://[::1]:5555",
         "tcp://localhost:5555",
+        "tcp://[::ffff:127.0.0.1]:5555",
+        # ZeroMQ drops the zone and binds the loopback address.
+        "tcp://127.0.0.1%lo:5555",
+        "tcp://localhost%lo:5555",
     ],
 )
 def test_local_addresses_bind_without_keys(address):
@@ -62,6 +67,12 @@ def test_non_loopback_bind_without_keys_is_refused(address):
         "tcp://000.0.0.0:5555",
         "tcp://[::ffff:0.0.0.0]:5555",
         "tcp://[0:0::0]:5555",
+        # ZeroMQ drops a zone from any host and binds all interfaces.
+        "tcp://0.0.0.0%lo:5555",
+        "tcp://0%1:5555",
+        "tcp://*%lo:5555",
+        "tcp://[0.0.0.0%lo]:5555",
+        "tcp://[::%lo]:5555",
     ],
 )
 def test_wildcard_bind_without_keys_is_refused_even_when_unsafe_is_allowed(address):
@@ -134,6 +145,20 @@ def test_cli_refuses_a_wildcard_bind_with_the_unsafe_flag(capsys):
             ]
         )
     assert "all interfaces" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0%lo:*", "tcp://*%lo:*"])
+def test_a_zoned_wildcard_that_zeromq_binds_on_all_interfaces_is_refused(address):
+    # What ZeroMQ makes of it: all interfaces.
+    context = zmq.Context()
+    probe = context.socket(zmq.REP)
+    probe.bind(address)
+    bound = probe.getsockopt_string(zmq.LAST_ENDPOINT)
+    probe.close(linger=0)
+    context.term()
+    assert bound.startswith("tcp://0.0.0.0:")
+    with pytest.raises(BindRefused, match="all interfaces"):
+        check_bind(address, None, allow_unsafe_remote_rpc=True)
 
 
 def test_unsafe_remote_bind_logs_a_warning(caplog):

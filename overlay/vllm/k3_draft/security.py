@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Bind rules and CurveZMQ for the draft server's RPC socket.
 
-* ``ipc://``, ``inproc://`` and loopback TCP (127.0.0.0/8, ::1, localhost)
+* ``ipc://``, ``inproc://`` and loopback TCP (127.0.0.0/8, ::1, ::ffff:127.0.0.0/104,
+  localhost)
   binds are allowed as they are.
 * Any other TCP bind needs CurveZMQ: the server's key pair (a certificate file
   as written by ``zmq.auth.create_certificates``) and a directory of the
@@ -12,8 +13,9 @@
 * Without keys, a non-loopback bind is refused unless
   ``allow_unsafe_remote_rpc`` is set, which logs a warning at every start. A
   wildcard bind (``*`` or any spelling of the unspecified address that the
-  resolver accepts: ``0.0.0.0``, ``0``, ``0x0``, ``::``, ``::ffff:0.0.0.0``)
-  without CURVE is always refused.
+  resolver accepts: ``0.0.0.0``, ``0``, ``0x0``, ``::``, ``::ffff:0.0.0.0``,
+  each also with a zone, ``0.0.0.0%lo``, which ZeroMQ drops) without CURVE is
+  always refused.
 * Keys given for a local bind enable CURVE there too.
 * Other transports are refused, and so are an IPv6 literal without brackets
   (``tcp://[::1]:5555``) and a port in other than ASCII digits.
@@ -156,6 +158,10 @@ def bind_scope(address: str) -> str:
             f"IPv6 address without brackets in {address!r} (write tcp://[::1]:N)"
         )
     host = host.removeprefix("[").removesuffix("]")
+    # ZeroMQ drops a zone (``%eth0``, ``%2``) from any host, not only from an
+    # IPv6 one, and binds what is left: ``0.0.0.0%lo`` is all interfaces.
+    if "%" in host:
+        host = host.rpartition("%")[0]
     if host == "*":
         return "wildcard"
     if host == "localhost":
@@ -167,7 +173,9 @@ def bind_scope(address: str) -> str:
     mapped = getattr(ip, "ipv4_mapped", None)
     if ip.is_unspecified or (mapped is not None and mapped.is_unspecified):
         return "wildcard"
-    return "local" if ip.is_loopback else "remote"
+    if ip.is_loopback or (mapped is not None and mapped.is_loopback):
+        return "local"
+    return "remote"
 
 
 def ipc_path(address: str) -> str | None:
