@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import zmq
+import zmq.auth
 
 from vllm.k3_draft import protocol
 
@@ -66,6 +67,16 @@ _PORT_BASE = 20_000
 _PORTS_PER_WORKER = 1_000
 _PORT_BLOCKS = 12
 _port_draws = itertools.count(os.getpid())
+
+
+def create_certificates(
+    directory: str | os.PathLike[str], name: str
+) -> tuple[str, str]:
+    """``zmq.auth.create_certificates``, with the secret file's mode 0600 as
+    the server and the verifier require (pyzmq leaves it to the umask)."""
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return public, secret
 
 
 def free_tcp_port() -> int:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from k3_layer1_server import RawClient, free_tcp_port
+from k3_layer1_server import RawClient, create_certificates, free_tcp_port
 from zmq.auth.thread import AuthenticationThread
 
 from vllm.entrypoints.k3_dspark_standalone import (
@@ -218,12 +218,12 @@ def test_the_reference_engine_runs_latent_attention_on_request():
 
 
 def test_curve_key_needs_the_authorized_keys_directory(tmp_path, capsys):
-    _, secret = zmq.auth.create_certificates(tmp_path, "server")
+    _, secret = create_certificates(tmp_path, "server")
     assert "go together" in refused(["--curve-secret-key", secret], capsys)
 
 
 def test_curve_key_file_without_a_secret_is_refused(tmp_path, capsys):
-    public, _ = zmq.auth.create_certificates(tmp_path, "server")
+    public, _ = create_certificates(tmp_path, "server")
     err = refused(
         ["--curve-secret-key", public, "--curve-authorized-keys", str(tmp_path)], capsys
     )
@@ -239,8 +239,8 @@ def _secret(certificate: str | Path) -> str:
 def _curve_flags(tmp_path: Path) -> list[str]:
     """A server certificate and one authorized client's, in ``tmp_path``."""
     (tmp_path / "clients").mkdir()
-    _, secret = zmq.auth.create_certificates(tmp_path, "server")
-    zmq.auth.create_certificates(tmp_path / "clients", "client")
+    _, secret = create_certificates(tmp_path, "server")
+    create_certificates(tmp_path / "clients", "client")
     return [
         "--curve-secret-key",
         secret,
@@ -249,13 +249,56 @@ def _curve_flags(tmp_path: Path) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620], ids=oct)
+def test_a_curve_secret_key_open_to_other_users_is_refused_in_one_line(
+    tmp_path, capsys, mode
+):
+    """As ssh refuses a private key: anyone who reads it can pose as the
+    server (the certificate itself says not to change its permissions)."""
+    flags = _curve_flags(tmp_path)
+    os.chmod(flags[1], mode)
+    err = refused(flags, capsys)
+    assert err.splitlines()[-1].endswith(
+        f"error: {flags[1]}: secret key file has mode {mode:04o}, open to other "
+        "users (chmod 600 it)"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="the key file is root's")
+def test_a_curve_secret_key_readable_by_its_owners_group_is_refused(tmp_path, capsys):
+    flags = _curve_flags(tmp_path)
+    os.chmod(flags[1], 0o640)
+    assert "mode 0640, open to other users" in refused(flags, capsys)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root's files are root's")
+def test_a_curve_secret_key_of_root_may_be_readable_by_its_group(tmp_path):
+    """As PostgreSQL takes a root-owned key shared with a service group."""
+    flags = _curve_flags(tmp_path)
+    os.chmod(flags[1], 0o640)
+    assert parse_args(BASE + flags).curve is not None
+
+
+def test_a_curve_secret_key_reached_through_a_link_is_checked_as_its_file(
+    tmp_path, capsys
+):
+    flags = _curve_flags(tmp_path)
+    link = tmp_path / "current.key_secret"
+    link.symlink_to(flags[1])
+    assert parse_args(BASE + ["--curve-secret-key", str(link), *flags[2:]]).curve
+    os.chmod(flags[1], 0o644)
+    assert "mode 0644, open to other users" in refused(
+        ["--curve-secret-key", str(link), *flags[2:]], capsys
+    )
+
+
 def test_curve_keys_that_load_and_match_parse(tmp_path):
     assert parse_args(BASE + _curve_flags(tmp_path)).curve is not None
 
 
 def test_curve_key_whose_public_key_is_not_its_secret_keys_is_refused(tmp_path, capsys):
     flags = _curve_flags(tmp_path)
-    _, other = zmq.auth.create_certificates(tmp_path, "other")
+    _, other = create_certificates(tmp_path, "other")
     server = Path(flags[1])
     server.write_text(server.read_text().replace(_secret(server), _secret(other)))
     assert "is not its secret key's" in refused(flags, capsys)
@@ -315,6 +358,28 @@ def test_a_key_line_without_an_equals_sign_is_refused_in_one_line(
     path = Path(flags[1]) if key_file == "server" else tmp_path / "clients/client.key"
     path.write_text(re.sub(r'public-key = ".*"', "public-key", path.read_text()))
     assert "a public-key or secret-key line has no '='" in refused(flags, capsys)
+
+
+@pytest.mark.parametrize("what", ["directory", "certificate"])
+@pytest.mark.parametrize("mode", [0o775, 0o757], ids=oct)
+def test_authorized_keys_writable_by_other_users_are_refused_in_one_line(
+    tmp_path, capsys, what, mode
+):
+    """Whoever may write there may authorize a client key of their own."""
+    flags = _curve_flags(tmp_path)
+    if what == "directory":
+        path, name = tmp_path / "clients", "authorized keys directory"
+    else:
+        path, name = (
+            tmp_path / "clients" / "client.key",
+            "authorized client certificate",
+        )
+    os.chmod(path, mode)
+    err = refused(flags, capsys)
+    assert err.splitlines()[-1].endswith(
+        f"error: {name} {path} has mode {mode:04o}, writable by other users "
+        "(chmod go-w it)"
+    )
 
 
 def test_authorized_keys_directory_without_certificates_is_refused(tmp_path, capsys):
@@ -729,8 +794,8 @@ def test_an_address_with_a_newline_is_refused_in_one_line(capsys):
 
 def test_curve_key_gone_before_bind_is_refused_in_one_line(tmp_path, caplog):
     (tmp_path / "clients").mkdir()
-    _, secret = zmq.auth.create_certificates(str(tmp_path), "server")
-    zmq.auth.create_certificates(str(tmp_path / "clients"), "client")
+    _, secret = create_certificates(str(tmp_path), "server")
+    create_certificates(str(tmp_path / "clients"), "client")
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     args = parse_args(
         BASE

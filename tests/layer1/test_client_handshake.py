@@ -249,7 +249,9 @@ def test_timeout_must_fit_a_zeromq_option(timeout_ms):
 
 
 def test_client_secret_key_that_is_not_z85_is_refused_naming_the_file(tmp_path):
-    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    from k3_layer1_server import create_certificates
+
+    _, client_secret = create_certificates(tmp_path, "client")
     secret = zmq.auth.load_certificate(client_secret)[1]
     assert secret is not None
     text = Path(client_secret).read_bytes()
@@ -315,14 +317,14 @@ def test_client_that_cannot_connect_fails_construction_in_one_line(
 
 
 def test_curve_client_talks_to_a_curve_server(draft_server_factory, tmp_path):
-    from k3_layer1_server import free_tcp_port
+    from k3_layer1_server import create_certificates, free_tcp_port
 
     keys = tmp_path / "keys"
     clients = tmp_path / "clients"
     keys.mkdir()
     clients.mkdir()
-    server_public, server_secret = zmq.auth.create_certificates(keys, "server")
-    client_public, client_secret = zmq.auth.create_certificates(keys, "client")
+    server_public, server_secret = create_certificates(keys, "server")
+    client_public, client_secret = create_certificates(keys, "client")
     (clients / "client.key").write_bytes(Path(client_public).read_bytes())
     server = draft_server_factory(
         address=f"tcp://127.0.0.1:{free_tcp_port()}",

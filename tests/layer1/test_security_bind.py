@@ -8,7 +8,7 @@ import threading
 import pytest
 import zmq
 import zmq.auth
-from k3_layer1_server import free_tcp_port
+from k3_layer1_server import create_certificates, free_tcp_port
 
 from vllm.entrypoints.k3_dspark_standalone import parse_args, run
 from vllm.k3_draft.security import (
@@ -86,7 +86,7 @@ def test_non_loopback_bind_is_allowed_with_the_unsafe_flag():
 
 @pytest.mark.parametrize("address", ["tcp://10.1.2.3:5555", "tcp://*:5555"])
 def test_non_loopback_and_wildcard_binds_are_allowed_with_curve_keys(address, tmp_path):
-    _, secret = zmq.auth.create_certificates(tmp_path, "server")
+    _, secret = create_certificates(tmp_path, "server")
     curve = CurveConfig(str(secret), str(tmp_path))
     check_bind(address, curve, allow_unsafe_remote_rpc=False)
 

@@ -5,7 +5,12 @@
 import pytest
 import zmq
 import zmq.auth
-from k3_layer1_server import DraftServerProcess, RawClient, free_tcp_port
+from k3_layer1_server import (
+    DraftServerProcess,
+    RawClient,
+    create_certificates,
+    free_tcp_port,
+)
 
 from vllm.k3_draft.security import CurveConfig, secure_socket
 
@@ -17,9 +22,9 @@ def keys(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
     authorized = root / "authorized"
     authorized.mkdir()
-    server_public, server_secret = zmq.auth.create_certificates(root, "server")
-    client_public, client_secret = zmq.auth.create_certificates(authorized, "client")
-    stranger_public, stranger_secret = zmq.auth.create_certificates(root, "stranger")
+    server_public, server_secret = create_certificates(root, "server")
+    client_public, client_secret = create_certificates(authorized, "client")
+    stranger_public, stranger_secret = create_certificates(root, "stranger")
     load = zmq.auth.load_certificate
     return {
         "server_secret_file": server_secret,
@@ -82,7 +87,7 @@ def test_server_keeps_serving_authorized_clients_after_refusals(curve_server, ke
 def test_authorized_keys_gone_before_bind_refuse_the_curve_socket(tmp_path):
     """The directory read at parse time may be emptied before the bind."""
     (tmp_path / "clients").mkdir()
-    _, secret = zmq.auth.create_certificates(str(tmp_path), "server")
+    _, secret = create_certificates(str(tmp_path), "server")
     curve = CurveConfig(str(secret), str(tmp_path / "clients"))
     context = zmq.Context()
     socket = context.socket(zmq.REP)

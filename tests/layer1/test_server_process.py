@@ -25,6 +25,7 @@ from k3_layer1_server import (
     DEFAULT_OPTIONS,
     DraftServerProcess,
     RawClient,
+    create_certificates,
     entry,
     free_tcp_port,
     propose_message,
@@ -492,8 +493,8 @@ def test_a_wildcard_address_keeps_its_endpoint_past_a_stalled_client(address):
 def test_the_socket_bound_again_past_a_stalled_client_keeps_curve(tmp_path):
     authorized = tmp_path / "authorized"
     authorized.mkdir()
-    _, server_secret = zmq.auth.create_certificates(tmp_path, "server")
-    _, client_secret = zmq.auth.create_certificates(authorized, "client")
+    _, server_secret = create_certificates(tmp_path, "server")
+    _, client_secret = create_certificates(authorized, "client")
     server_public, _ = zmq.auth.load_certificate(server_secret)
     public, secret = zmq.auth.load_certificate(client_secret)
     assert secret is not None

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from k3_layer1_server import DraftServerProcess, free_tcp_port
+from k3_layer1_server import DraftServerProcess, create_certificates, free_tcp_port
 from toy_target import (
     HIDDEN,
     NUM_AUX,
@@ -318,7 +319,7 @@ def test_the_verifier_drafts_through_curve_with_its_key_variables(
 def test_one_curve_key_variable_without_the_other_is_refused_at_init(
     tmp_path, make_speculator, scripted_server, monkeypatch, variable
 ):
-    public, _ = zmq.auth.create_certificates(tmp_path, "server")
+    public, _ = create_certificates(tmp_path, "server")
     monkeypatch.setenv(variable, str(public))
     with pytest.raises(ValueError, match="Set both VLLM_K3_DRAFT_CURVE_SERVER_KEY"):
         make_speculator(scripted_server.address)
@@ -331,12 +332,12 @@ def curve_setup(tmp_path_factory):
     client's and a client the server does not know."""
     root = tmp_path_factory.mktemp("curve")
     keys = {}
-    keys["server"], server_secret = zmq.auth.create_certificates(root, "server")
-    keys["other_server"], _ = zmq.auth.create_certificates(root, "other")
+    keys["server"], server_secret = create_certificates(root, "server")
+    keys["other_server"], _ = create_certificates(root, "other")
     authorized = root / "authorized"
     authorized.mkdir()
-    _, keys["client"] = zmq.auth.create_certificates(authorized, "client")
-    _, keys["unknown_client"] = zmq.auth.create_certificates(root, "unknown")
+    _, keys["client"] = create_certificates(authorized, "client")
+    _, keys["unknown_client"] = create_certificates(root, "unknown")
     curve = DraftServerProcess(
         root / "curve",
         f"tcp://127.0.0.1:{free_tcp_port()}",
@@ -447,10 +448,10 @@ def test_a_curve_server_still_loading_behind_a_forwarder_is_waited_for(
     closes every connection while the server still loads, is not refused at
     start-up as if its keys were wrong (a closed connection says nothing
     about them): it starts without drafts and drafts once the server serves."""
-    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    server_public, server_secret = create_certificates(tmp_path, "server")
     authorized = tmp_path / "authorized"
     authorized.mkdir()
-    _, client_secret = zmq.auth.create_certificates(authorized, "client")
+    _, client_secret = create_certificates(authorized, "client")
     monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(server_public))
     monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(client_secret))
     backend_port = free_tcp_port()
@@ -482,8 +483,8 @@ def test_a_server_that_comes_up_refusing_the_key_is_named_in_the_warning(
     """A verifier that started while its server was down, and whose server
     then comes up refusing this verifier's CURVE key, says why it gets no
     PONG (not only that none came), and keeps running without drafts."""
-    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
-    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    server_public, server_secret = create_certificates(tmp_path, "server")
+    _, client_secret = create_certificates(tmp_path, "client")
     monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(server_public))
     monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(client_secret))
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -568,7 +569,7 @@ def test_an_address_zeromq_cannot_connect_to_is_refused_naming_its_variable(
 def test_an_unusable_curve_key_file_is_refused_naming_its_variable(
     tp_world, vllm_config_factory, monkeypatch, tmp_path, variable, path, problem
 ):
-    public, secret = zmq.auth.create_certificates(tmp_path, "key")
+    public, secret = create_certificates(tmp_path, "key")
     files = {"server_public": str(public), "missing": str(tmp_path / "missing")}
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", "tcp://127.0.0.1:5555")
     monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(public))
@@ -578,6 +579,21 @@ def test_an_unusable_curve_key_file_is_refused_naming_its_variable(
     assert message.startswith(f"{variable}: ")
     assert files[path] in message
     assert problem in message
+
+
+def test_a_client_secret_key_open_to_other_users_is_refused_naming_its_variable(
+    tp_world, vllm_config_factory, monkeypatch, tmp_path
+):
+    public, secret = create_certificates(tmp_path, "key")
+    os.chmod(secret, 0o644)
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", "tcp://127.0.0.1:5555")
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_SERVER_KEY", str(public))
+    monkeypatch.setenv("VLLM_K3_DRAFT_CURVE_CLIENT_KEY", str(secret))
+    message = _start_up_refusal(vllm_config_factory())
+    assert message == (
+        f"VLLM_K3_DRAFT_CURVE_CLIENT_KEY: {secret}: secret key file has mode "
+        "0644, open to other users (chmod 600 it)"
+    )
 
 
 def test_unreachable_server_starts_without_drafts(make_speculator):

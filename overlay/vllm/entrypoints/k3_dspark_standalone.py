@@ -191,13 +191,15 @@ def make_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--curve-secret-key",
         type=_existing_file,
-        help="certificate file with the server's CURVE key pair",
+        help="certificate file with the server's CURVE key pair, readable by "
+        "no other user (mode 0600; 0640 if root owns it)",
     )
     net.add_argument(
         "--curve-authorized-keys",
         type=_existing_dir,
-        help="directory of authorized client public certificates (*.key), read "
-        "once at start-up: adding or removing one takes effect at the next start",
+        help="directory of authorized client public certificates (*.key), "
+        "writable by no other user, read once at start-up: adding or removing "
+        "one takes effect at the next start",
     )
     net.add_argument(
         "--allow-unsafe-remote-rpc",

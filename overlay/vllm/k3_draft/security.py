@@ -57,11 +57,42 @@ def _read_certificate(path: str) -> tuple[bytes, bytes | None]:
         raise ValueError("a public-key or secret-key line has no '='") from None
 
 
+def check_secret_file_mode(path: str) -> None:
+    """``ValueError`` naming ``path`` when the secret key file (a link
+    followed) is open to other users, as ssh refuses a private key: any
+    access by group or others, but for a group read of a file that root
+    owns (a key shared with a service group, as PostgreSQL allows)."""
+    status = os.stat(path)
+    mode = stat.S_IMODE(status.st_mode)
+    owned_by_root = status.st_uid == 0
+    if mode & (0o037 if owned_by_root else 0o077):
+        raise ValueError(
+            f"{path}: secret key file has mode {mode:04o}, open to other "
+            "users (chmod 600 it)"
+        )
+
+
+def check_not_writable_by_others(path: str, what: str) -> None:
+    """``ValueError`` naming ``path`` when group or others may write it (a
+    link followed), as ssh refuses such an authorized_keys: whoever may add a
+    certificate there authorizes a client of their own."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    if mode & 0o022:
+        raise ValueError(
+            f"{what} {path} has mode {mode:04o}, writable by other users "
+            "(chmod go-w it)"
+        )
+
+
 def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
     """(public, secret) keys of a ZeroMQ certificate file; ``ValueError``
     naming ``what`` or the file when it cannot be read, when a key in it is
     malformed, when ``secret`` is required and the file holds only a public
-    key, or when its secret key is not its public key's."""
+    key or is open to other users (``check_secret_file_mode``), or when its
+    secret key is not its public key's."""
     try:
         public_key, secret_key = _read_certificate(path)
     except (OSError, ValueError) as exc:
@@ -69,6 +100,8 @@ def load_certificate(path: str, what: str, secret: bool) -> tuple[bytes, bytes]:
     check_z85_key(public_key, path, "public key")
     if secret and not secret_key:
         raise ValueError(f"{path} holds no secret key")
+    if secret:
+        check_secret_file_mode(path)
     if secret_key:
         check_z85_key(secret_key, path, "secret key")
         if zmq.curve_public(secret_key) != public_key:
@@ -116,11 +149,13 @@ class CurveConfig:
         folder = self.authorized_keys_dir
         if not os.path.isdir(folder):
             raise ValueError(f"authorized keys directory {folder} is missing")
+        check_not_writable_by_others(folder, "authorized keys directory")
         # The files the authenticator reads (zmq.auth.load_certificates).
         files = sorted(glob.glob(os.path.join(folder, "*.key")))
         if not files:
             raise ValueError(f"no client certificate (*.key) in {folder}")
         for path in files:
+            check_not_writable_by_others(path, "authorized client certificate")
             try:
                 public_key, _ = _read_certificate(path)
             except (OSError, ValueError) as exc:
