@@ -436,7 +436,11 @@ def _serving_past_a_stalled_client(
         stalled.wait()
         stop.set()
         served.join(10)
-        transport.close()
+        # Bounded: a socket left open keeps close()'s context.term() waiting.
+        closing = threading.Thread(target=transport.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "close() hangs: a socket was left open"
 
 
 def _answered(
@@ -511,6 +515,35 @@ def test_the_socket_bound_again_past_a_stalled_client_keeps_curve(tmp_path):
         assert _answered(address, keys)
         assert transport.socket is not first
         assert not _answered(address, None, timeout_ms=1500)
+
+
+@pytest.mark.parametrize("change", ["removed", "replaced"])
+def test_the_socket_bound_again_keeps_the_keys_read_at_start_up(tmp_path, change):
+    """The server's key file changed on disk after the bind: the socket bound
+    again past a stalled client keeps the key pair clients know it by (the
+    authorized keys are not read again either)."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    _, server_secret = create_certificates(tmp_path, "server")
+    _, client_secret = create_certificates(authorized, "client")
+    server_public, _ = zmq.auth.load_certificate(server_secret)
+    public, secret = zmq.auth.load_certificate(client_secret)
+    assert secret is not None
+    keys = (public, secret, server_public)
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    curve = CurveConfig(str(server_secret), str(authorized))
+    transport = RpcTransport(
+        _LargeReplyServer(), address, curve, reply_send_timeout_s=1.0
+    )
+    transport.bind()
+    first = transport.socket
+    os.unlink(server_secret)
+    if change == "replaced":
+        os.rename(create_certificates(tmp_path, "rotated")[1], server_secret)
+    with _serving_past_a_stalled_client(transport, keys) as served:
+        assert _answered(address, keys)
+        assert transport.socket is not first
+        assert served.is_alive()
 
 
 def test_a_stopped_server_removes_the_directory_of_its_ipc_wildcard():

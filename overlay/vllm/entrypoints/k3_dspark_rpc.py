@@ -8,16 +8,16 @@ validates everything and never raises; tensor frames of the reply are sent
 without copies and tracked, so the next request cannot touch the buffers they
 alias before ZeroMQ has sent them. A peer that stops taking its reply for
 ``reply_send_timeout_s`` has its connection dropped with the socket, which is
-bound again on the endpoint it had, a wildcard's port or path included (the
-other clients' requests in flight are lost with it: their clients time out
-and fail closed), so one stalled verifier cannot stop the server from
-answering or from shutting down. A peer whose connection goes silent (its
-host lost power or its network path went dark: no FIN or RST ever arrives)
-is dropped once it misses ZeroMQ heartbeats for ``heartbeat_timeout_s``
-(the peer's ZeroMQ I/O thread answers them, however busy the verifier is),
-so connections of vanished verifiers do not pile up. A ZeroMQ failure ends
-``serve`` with the error: the process then stops instead of reporting ready
-over a dead socket.
+bound again on the endpoint it had, a wildcard's port or path included, with
+the CURVE keys read at the first bind (the other clients' requests in flight
+are lost with it: their clients time out and fail closed), so one stalled
+verifier cannot stop the server from answering or from shutting down. A peer
+whose connection goes silent (its host lost power or its network path went
+dark: no FIN or RST ever arrives) is dropped once it misses ZeroMQ heartbeats
+for ``heartbeat_timeout_s`` (the peer's ZeroMQ I/O thread answers them,
+however busy the verifier is), so connections of vanished verifiers do not
+pile up. A ZeroMQ failure ends ``serve`` with the error: the process then
+stops instead of reporting ready over a dead socket.
 With ``busy_poll_us``, ``serve`` polls the socket without sleeping for that
 long after each reply, then sleeps in a blocking receive: a request within
 the window skips the wake-up of a sleeping thread (up to about 150 us of a
@@ -118,6 +118,9 @@ class RpcTransport:
         # The endpoint bound (a wildcard resolved), which a rebind binds again.
         self.endpoint: str | None = None
         self.authenticator: ThreadAuthenticator | None = None
+        # The server's CURVE key pair as bind read it, which a rebind keeps
+        # (the key file may have changed since, as the authorized keys may).
+        self._server_keys: tuple[bytes, bytes] | None = None
         # The ipc socket file bound and its (st_dev, st_ino).
         self._socket_file: tuple[str, tuple[int, int]] | None = None
         self._ipc_dir: str | None = None
@@ -143,7 +146,11 @@ class RpcTransport:
             address = f"ipc://{self._ipc_dir}/socket"
         socket = self._socket()
         try:
-            self.authenticator = secure_socket(self.context, socket, self.curve)
+            if self.curve is not None:
+                self._server_keys = self.curve.load_server_keys()
+            self.authenticator = secure_socket(
+                self.context, socket, self.curve, self._server_keys
+            )
             socket.bind(address)
         except BaseException:
             # An open socket would keep close()'s context.term() waiting.
@@ -203,20 +210,24 @@ class RpcTransport:
         self.socket.close(linger=0)
         tracker.wait(self.reply_send_timeout_s)
         socket = self._socket()
-        if self.curve is not None:
-            make_curve_server(socket, self.curve)
-        # The closed socket releases its endpoint in ZeroMQ's I/O thread.
-        deadline = time.monotonic() + self.reply_send_timeout_s
-        while True:
-            try:
-                socket.bind(self.endpoint)
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                    socket.close(linger=0)
-                    raise
-                time.sleep(_STOP_CHECK_MS / 1e4)
-        self._bound(socket)
+        try:
+            if self._server_keys is not None:
+                make_curve_server(socket, self._server_keys)
+            # The closed socket releases its endpoint in ZeroMQ's I/O thread.
+            deadline = time.monotonic() + self.reply_send_timeout_s
+            while True:
+                try:
+                    socket.bind(self.endpoint)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                        raise
+                    time.sleep(_STOP_CHECK_MS / 1e4)
+            self._bound(socket)
+        except BaseException:
+            # An open socket would keep close()'s context.term() waiting.
+            socket.close(linger=0)
+            raise
         return socket
 
     def serve(self, stop: threading.Event, on_serving: Callable[[], None]) -> None:

@@ -384,28 +384,36 @@ def warn_if_unsafe(address: str, curve: CurveConfig | None) -> None:
 
 
 def secure_socket(
-    context: zmq.Context, socket: zmq.Socket, curve: CurveConfig | None
+    context: zmq.Context,
+    socket: zmq.Socket,
+    curve: CurveConfig | None,
+    keys: tuple[bytes, bytes] | None = None,
 ) -> ThreadAuthenticator | None:
-    """Make ``socket`` a CURVE server (before bind) with a running ZAP
-    authenticator; returns it (stop it at shutdown) or None without keys."""
+    """Make ``socket`` a CURVE server (before bind) with the server's
+    ``keys`` (public, secret; default: read from ``curve`` now) and a running
+    ZAP authenticator; returns it (stop it at shutdown) or None without
+    keys."""
     if curve is None:
         return None
     curve.check_authorized_keys()
+    if keys is None:
+        keys = curve.load_server_keys()
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     try:
         authenticator.configure_curve(domain="*", location=curve.authorized_keys_dir)
-        make_curve_server(socket, curve)
+        make_curve_server(socket, keys)
     except BaseException:
         authenticator.stop()
         raise
     return authenticator
 
 
-def make_curve_server(socket: zmq.Socket, curve: CurveConfig) -> None:
-    """Give ``socket`` (before bind) the server's CURVE keys; the context's
-    running authenticator (``secure_socket``) checks its clients."""
-    public, secret = curve.load_server_keys()
+def make_curve_server(socket: zmq.Socket, keys: tuple[bytes, bytes]) -> None:
+    """Give ``socket`` (before bind) the server's CURVE ``keys`` (public,
+    secret); the context's running authenticator (``secure_socket``) checks
+    its clients."""
+    public, secret = keys
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_server = True
