@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -119,6 +120,25 @@ def test_sigterm_stops_the_program_cleanly_after_it_served(tmp_path):
     log = server.log_tail()
     assert code == 0, log
     assert "Draft server stopped" in log and "Traceback" not in log
+
+
+def test_the_server_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
+    """Every connection holds a descriptor: a soft limit of 256 would let a
+    few hundred idle connections keep new clients out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        server = DraftServerProcess(tmp_path, as_program=True).start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert server.proc is not None
+    try:
+        limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+    finally:
+        server.stop()
+    (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+    expected = 65535 if hard == resource.RLIM_INFINITY else min(hard, 65535)
+    assert line.split()[3] == str(expected), line
 
 
 def test_dspark_server_drafts_k_tokens_from_k_query_rows(draft_server_factory):

@@ -27,6 +27,7 @@ import gc
 import math
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -93,6 +94,8 @@ _REFERENCE_ONLY = (
 _PRODUCTION_ONLY = ("draft_model", "target_model")
 # Counts, sizes and the seed end up in int64 tensors and torch's arguments.
 _INT64_MAX = 2**63 - 1
+# The soft limit of open files the server raises its own to (vLLM's).
+_OPEN_FILES = 65535
 
 
 def _int_at_least(minimum: int):
@@ -635,11 +638,24 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
     return 0
 
 
+def raise_open_file_limit() -> None:
+    """Raise the soft limit of open files to the hard one, at most 65,535 (as
+    vLLM's API server does): each client connection, and each handshake in
+    progress, holds a descriptor, and a distribution's default soft limit of
+    1,024 lets a burst of connections keep new clients and the status server
+    out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     # Installed already when run as a program, not when called.
     _install_stop_handlers()
     args = parse_args(argv)
     configure_process_logging(args.log_level)
+    raise_open_file_limit()
     sys.exit(run(args, _stop))
 
 
