@@ -81,6 +81,9 @@ NO_DRAFT = -1
 # How long the step that retries a handshake waits for the PONG; a healthy
 # server answers a PING well within it.
 _PROBE_WAIT_MS = 20
+# A failure that no backoff paces (the next step retries at once) is logged at
+# most once per this many seconds for each kind of failure.
+_FAILURE_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,64 @@ class _Retained:
     prefill_continues: bool = False
 
 
+class _FailureLog:
+    """What the plan logs about failures over a long run. A failure that no
+    backoff paces (the next step retries at once, so a fault that lets every
+    other step through would otherwise log at the step rate) is logged at
+    most once per ``interval_s`` for each kind, its next line counting those
+    left out. Once drafts are proposed again after a failure was logged, one
+    line says so."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        # By kind: when the last line was logged, and the failures since.
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+        # When the first failure logged since drafts last resumed was, and
+        # the failed calls since (None: none logged).
+        self._since: float | None = None
+        self._failures = 0
+
+    def admit(self, kind: str) -> str | None:
+        """Whether to log a failure of ``kind`` now: the end of its line
+        (naming those left out since the last one) or None to leave it out."""
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._left_out[kind] = self._left_out.get(kind, 0) + 1
+            return None
+        self._last[kind] = now
+        self.logged()
+        left_out = self._left_out.pop(kind, 0)
+        if not left_out:
+            return ""
+        assert last is not None
+        return f" ({left_out} more in the {now - last:.0f} s before, not logged)"
+
+    def logged(self) -> None:
+        """A failure was logged."""
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def failed(self) -> None:
+        """A call or handshake failed (logged or not)."""
+        self._failures += 1
+
+    def resumed(self, address: str) -> None:
+        """A PROPOSE succeeded: say so once after a failure was logged."""
+        if self._since is None:
+            return
+        logger.info(
+            "Remote drafting re-enabled through %s (%.1f s after the first "
+            "failure logged; %d failed calls since)",
+            address,
+            time.monotonic() - self._since,
+            self._failures,
+        )
+        self._since = None
+        self._failures = 0
+
+
 class _TimingLog:
     """Mean round trip and server timings, logged every ``interval`` PROPOSEs."""
 
@@ -369,15 +430,24 @@ class RemotePlan:
         # While a PING of a retry is outstanding: when it is given up.
         self._probe_deadline: float | None = None
         self._warned_long_id = False
+        self._log = _FailureLog(_FAILURE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ server
 
     def connect(self) -> ServerInfo:
-        """Handshake now; raises what ``DraftClient.handshake`` raises."""
-        return self._accept(self.client.handshake(self.needs, self._server_id))
+        """Handshake now; raises what ``DraftClient.handshake`` raises (the
+        caller logs it; the step that drafts again says so)."""
+        try:
+            info = self.client.handshake(self.needs, self._server_id)
+        except BaseException:
+            self._log.failed()
+            self._log.logged()
+            raise
+        return self._accept(info)
 
     def _accept(self, info: ServerInfo) -> ServerInfo:
         if self._server_id is not None and info.server_id != self._server_id:
+            self._log.logged()
             logger.warning(
                 "Draft server restarted (server_id %s -> %s); forgetting %d "
                 "retained requests",
@@ -419,6 +489,8 @@ class RemotePlan:
             return False
         except IncompatibleServerError as exc:
             self._probe_deadline = None
+            self._log.failed()
+            self._log.logged()
             logger.error("%s; proposing no drafts", exc)
             self._go_offline(None)
             return False
@@ -428,8 +500,10 @@ class RemotePlan:
 
     def _go_offline(self, exc: Exception | None) -> None:
         if exc is not None:
+            self._log.failed()
+            self._log.logged()
             logger.warning(
-                "Remote draft unavailable (%s); no drafts for %.1f s",
+                "Remote draft unavailable (%s); no drafts for %.1f s, then retrying",
                 exc,
                 self._backoff_s,
             )
@@ -445,13 +519,23 @@ class RemotePlan:
         next step (a late reply, a restarted server); from the second on,
         the server is treated as unreachable (backoff), so a server that
         fails every call costs one timeout or round trip and one warning per
-        retry, not one per step."""
+        retry, not one per step; a first failure, which the next step
+        retries at once, is logged at most once per
+        ``_FAILURE_LOG_INTERVAL_S``."""
         self._failed_calls += 1
         if self._failed_calls > 1:
             self._go_offline(exc)
             return
-        logger.warning("Draft %s failed (%s); no drafts this step", op, exc)
+        self._log.failed()
         self.server = None
+        suffix = self._log.admit("call")
+        if suffix is not None:
+            logger.warning(
+                "Draft %s failed (%s); no drafts this step, retrying next step%s",
+                op,
+                exc,
+                suffix,
+            )
 
     # -------------------------------------------------------------- step
 
@@ -557,7 +641,11 @@ class RemotePlan:
                 self.retained[rid].stale = True
             if isinstance(exc, (TransportError, ServerChangedError)):
                 raise
-            logger.warning("Draft FREE failed (%s); retrying next step", exc)
+            suffix = self._log.admit("free")
+            if suffix is not None:
+                logger.warning(
+                    "Draft FREE failed (%s); retrying next step%s", exc, suffix
+                )
             return
         for rid in ids:
             del self.retained[rid]
@@ -570,11 +658,16 @@ class RemotePlan:
         a PROPOSE that reached it after the FREE of its requests (late, past a
         timeout) left some that no FREE will name, their slots taken for good.
         CLEAR the server; every request starts afresh."""
-        logger.warning(
-            "Draft server holds %d requests, this verifier knows of %d; clearing it",
-            active,
-            len(self.retained),
-        )
+        suffix = self._log.admit("clear")
+        if suffix is not None:
+            logger.warning(
+                "Draft server holds %d requests, this verifier knows of %d; "
+                "clearing it (a late PROPOSE left them; if this recurs, another "
+                "verifier uses this draft server: run one per verifier)%s",
+                active,
+                len(self.retained),
+                suffix,
+            )
         for state in self.retained.values():
             state.stale = True
         self.client.call(OP_CLEAR)
@@ -723,6 +816,7 @@ class RemotePlan:
             return
         self._failed_calls = 0
         self._backoff_s = self._retry_interval_s
+        self._log.resumed(self.client.address)
         self._timing.observe(round_trip_ms, header["latency_ms"], header["timing_ms"])
         for r, (_, reset) in zip(requests, entries):
             self._commit(r, reset)
