@@ -514,7 +514,12 @@ def test_a_wildcard_address_keeps_its_endpoint_past_a_stalled_client(address):
         assert _answered(endpoint)
 
 
-def test_the_socket_bound_again_past_a_stalled_client_keeps_curve(tmp_path):
+def _bound_curve_transport(
+    tmp_path: Path,
+) -> tuple[RpcTransport, tuple[bytes, bytes, bytes], str, str]:
+    """A CURVE transport bound on loopback that stalls past 1 s, one
+    authorized client's keys (public, secret, server public), the address
+    and the server's key file."""
     authorized = tmp_path / "authorized"
     authorized.mkdir()
     _, server_secret = create_certificates(tmp_path, "server")
@@ -522,13 +527,17 @@ def test_the_socket_bound_again_past_a_stalled_client_keeps_curve(tmp_path):
     server_public, _ = zmq.auth.load_certificate(server_secret)
     public, secret = zmq.auth.load_certificate(client_secret)
     assert secret is not None
-    keys = (public, secret, server_public)
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     curve = CurveConfig(str(server_secret), str(authorized))
     transport = RpcTransport(
         _LargeReplyServer(), address, curve, reply_send_timeout_s=1.0
     )
     transport.bind()
+    return transport, (public, secret, server_public), address, str(server_secret)
+
+
+def test_the_socket_bound_again_past_a_stalled_client_keeps_curve(tmp_path):
+    transport, keys, address, _ = _bound_curve_transport(tmp_path)
     first = transport.socket
     with _serving_past_a_stalled_client(transport, keys):
         # The authorized client's request makes the server bind again.
@@ -542,20 +551,7 @@ def test_the_socket_bound_again_keeps_the_keys_read_at_start_up(tmp_path, change
     """The server's key file changed on disk after the bind: the socket bound
     again past a stalled client keeps the key pair clients know it by (the
     authorized keys are not read again either)."""
-    authorized = tmp_path / "authorized"
-    authorized.mkdir()
-    _, server_secret = create_certificates(tmp_path, "server")
-    _, client_secret = create_certificates(authorized, "client")
-    server_public, _ = zmq.auth.load_certificate(server_secret)
-    public, secret = zmq.auth.load_certificate(client_secret)
-    assert secret is not None
-    keys = (public, secret, server_public)
-    address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    curve = CurveConfig(str(server_secret), str(authorized))
-    transport = RpcTransport(
-        _LargeReplyServer(), address, curve, reply_send_timeout_s=1.0
-    )
-    transport.bind()
+    transport, keys, address, server_secret = _bound_curve_transport(tmp_path)
     first = transport.socket
     os.unlink(server_secret)
     if change == "replaced":
