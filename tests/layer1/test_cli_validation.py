@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -378,6 +379,28 @@ def test_authorized_keys_writable_by_other_users_are_refused_in_one_line(
         f"error: {name} {path} has mode {mode:04o}, writable by other users "
         "(chmod go-w it)"
     )
+
+
+def test_an_authorized_keys_directory_on_a_read_only_mount_is_accepted(
+    tmp_path, monkeypatch
+):
+    """A Kubernetes secret or ConfigMap volume: a folder of mode 1777 on a
+    read-only mount, which nobody may write (the mount is emulated: making
+    one needs privileges the test may not have)."""
+    flags = _curve_flags(tmp_path)
+    os.chmod(tmp_path / "clients", 0o1777)
+    real = os.statvfs
+
+    def read_only_clients(path: Any) -> Any:
+        result = real(path)
+        if os.path.realpath(path) != str((tmp_path / "clients").resolve()):
+            return result
+        fields = list(result)
+        fields[8] |= os.ST_RDONLY  # f_flag
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", read_only_clients)
+    assert parse_args(BASE + flags).curve is not None
 
 
 def test_authorized_keys_directory_without_certificates_is_refused(tmp_path, capsys):

@@ -75,12 +75,15 @@ def check_secret_file_mode(path: str) -> None:
 def check_not_writable_by_others(path: str, what: str) -> None:
     """``ValueError`` naming ``path`` when group or others may write it (a
     link followed), as ssh refuses such an authorized_keys: whoever may add a
-    certificate there authorizes a client of their own."""
+    certificate there authorizes a client of their own. On a file system
+    mounted read-only (a Kubernetes secret or ConfigMap volume, whose folder
+    has mode 1777) nobody may, whatever the mode says."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError as exc:
         raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from exc
-    if mode & 0o022:
+    if mode & 0o022 and not read_only:
         raise ValueError(
             f"{what} {path} has mode {mode:04o}, writable by other users "
             "(chmod go-w it)"
