@@ -93,7 +93,9 @@ def test_authorized_keys_gone_before_bind_refuse_the_curve_socket(tmp_path):
     socket = context.socket(zmq.REP)
     try:
         with pytest.raises(ValueError, match="no client certificate"):
-            authenticator = secure_socket(context, socket, curve)
+            authenticator = secure_socket(
+                context, socket, curve, curve.load_server_keys()
+            )
             if authenticator is not None:  # not refused: stop its thread
                 authenticator.stop()
     finally:

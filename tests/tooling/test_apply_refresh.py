@@ -10,7 +10,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -854,19 +854,25 @@ def test_an_apply_interrupted_while_it_replaces_the_tree_can_be_run_again(
     )
 
 
+@contextlib.contextmanager
+def held_as_by_a_running_run(folder: Path) -> Iterator[None]:
+    """``folder`` locked as the run that stages in it holds it."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def test_apply_keeps_a_staging_tree_that_a_running_apply_holds(
     filled: Synthetic,
 ) -> None:
-    import fcntl
-    import os
-
     staging = killed_apply_staging(filled)
-    fd = os.open(staging, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with held_as_by_a_running_run(staging):
         filled.apply()
-    finally:
-        os.close(fd)
     assert (staging / "vllm/envs.py").read_text() == "half laid out\n"
 
 
@@ -1507,15 +1513,9 @@ def test_refresh_removes_the_staging_folder_a_killed_refresh_left(
 def test_refresh_keeps_a_staging_folder_that_a_running_refresh_holds(
     filled: Synthetic,
 ) -> None:
-    import fcntl
-
     staging = killed_refresh_staging(filled)
-    fd = os.open(staging, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with held_as_by_a_running_run(staging):
         refresh(filled.stack(), filled.tree)
-    finally:
-        os.close(fd)
     assert (staging / "0").read_text() == "PORT = "
 
 

@@ -287,6 +287,11 @@ class _FailureLog:
         """A call or handshake failed (logged or not)."""
         self._failures += 1
 
+    def failed_and_logged(self) -> None:
+        """A call or handshake failed, and its caller logs it."""
+        self.failed()
+        self.logged()
+
     def resumed(self, address: str) -> None:
         """A PROPOSE succeeded: say so once after a failure was logged."""
         if self._since is None:
@@ -440,8 +445,7 @@ class RemotePlan:
         try:
             info = self.client.handshake(self.needs, self._server_id)
         except BaseException:
-            self._log.failed()
-            self._log.logged()
+            self._log.failed_and_logged()
             raise
         return self._accept(info)
 
@@ -489,8 +493,7 @@ class RemotePlan:
             return False
         except IncompatibleServerError as exc:
             self._probe_deadline = None
-            self._log.failed()
-            self._log.logged()
+            self._log.failed_and_logged()
             logger.error("%s; proposing no drafts", exc)
             self._go_offline(None)
             return False
@@ -500,8 +503,7 @@ class RemotePlan:
 
     def _go_offline(self, exc: Exception | None) -> None:
         if exc is not None:
-            self._log.failed()
-            self._log.logged()
+            self._log.failed_and_logged()
             logger.warning(
                 "Remote draft unavailable (%s); no drafts for %.1f s, then retrying",
                 exc,

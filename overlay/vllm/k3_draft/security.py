@@ -390,17 +390,15 @@ def secure_socket(
     context: zmq.Context,
     socket: zmq.Socket,
     curve: CurveConfig | None,
-    keys: tuple[bytes, bytes] | None = None,
+    keys: tuple[bytes, bytes] | None,
 ) -> ThreadAuthenticator | None:
     """Make ``socket`` a CURVE server (before bind) with the server's
-    ``keys`` (public, secret; default: read from ``curve`` now) and a running
+    ``keys`` (public, secret: ``curve.load_server_keys()``) and a running
     ZAP authenticator; returns it (stop it at shutdown) or None without
-    keys."""
-    if curve is None:
+    ``curve``."""
+    if curve is None or keys is None:
         return None
     curve.check_authorized_keys()
-    if keys is None:
-        keys = curve.load_server_keys()
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     try:
