@@ -15,7 +15,7 @@ from k3stack.artifacts import build, docker_build
 from k3stack.fetch import fetch
 from k3stack.gitutil import git
 from k3stack.pin import Pin, load_pin
-from k3stack.refresh import finish_write_back, refresh
+from k3stack.refresh import finish_write_back, refresh, refuse_stopped_refresh
 from k3stack.series import Stack, check_layering, check_suites, load_stack
 from k3stack.upstream import from_checkout, from_sdist
 from k3stack.worktree import UPSTREAM_TAG, build_tree, current_marker, tree_lock
@@ -213,6 +213,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command != "refresh":  # refresh finishes it first
+            refuse_stopped_refresh(ROOT, args.command)
         args.func(args)
     except StackError as e:
         print(f"error: {e}", file=sys.stderr)

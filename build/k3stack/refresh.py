@@ -438,6 +438,29 @@ def finish_write_back(root: Path) -> list[str]:
     return changed
 
 
+def refuse_stopped_refresh(root: Path, command: str) -> None:
+    """``StackError`` if a refresh stopped (or running) after it began moving
+    files into the checkout at ``root`` has not put every file in place: the
+    series there may mix new and old patches and overlay files."""
+    for staging in sorted((root / ".work").glob(f"{glob.escape(STAGING_PREFIX)}*")):
+        if staging.is_symlink() or not (staging / JOURNAL).is_file():
+            continue
+        journal = json.loads((staging / JOURNAL).read_text())["files"]
+        if all(_sha(root / rel) == after for rel, _, _, after in journal):
+            continue  # every file moved; only the folder's removal was left
+        try:
+            os.close(lock_folder(staging))
+        except BlockingIOError:
+            raise StackError(
+                f"a refresh is writing patches/ and overlay/ now ({staging}): "
+                f"run {command} again once it is done"
+            ) from None
+        raise StackError(
+            "a refresh was stopped half-way writing patches/ and overlay/ "
+            f"({staging}): run refresh to finish it, then {command} again"
+        )
+
+
 def _finish(root: Path, staging: Path) -> list[str]:
     fields = json.loads((staging / JOURNAL).read_text())
     journal = fields["files"]

@@ -1559,3 +1559,102 @@ def test_refresh_after_an_interrupted_one_was_reverted_gives_the_uninterrupted_r
     git(filled.root, "clean", "-qfd", "overlay")
     assert len(refresh(filled.stack(), filled.tree)) == 5
     assert snapshot(filled) == files
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["apply", "--tree", "{applied}"],
+        ["build", "--tree", "{tree}", "--dist", "{dist}"],
+        ["validate"],
+        ["qualify", "--out", "{dist}"],
+        ["rebase", "--to", "1.0", "--report", "{dist}"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_a_command_that_reads_the_series_refuses_a_refresh_stopped_half_way(
+    filled: Synthetic,
+    tmp_path: Path,
+    argv: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Stopped after two of its five writes, refresh leaves a series of new
+    and old patches that applies (or builds) to neither layer set: every
+    command but refresh says so in one line and changes nothing."""
+    from k3stack import cli
+
+    def no_fetch(*args: object) -> None:
+        raise AssertionError("fetched")
+
+    two_layers_changed(filled)
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    monkeypatch.setattr(cli, "load_pin", lambda: filled.pin)
+    monkeypatch.setattr(cli, "fetch", no_fetch)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, 3)
+        assert cli.main(["refresh", "--tree", str(filled.tree)]) == 130
+    capsys.readouterr()
+    (staging,) = (filled.root / ".work").glob("refresh-staging-*")
+    files, head = snapshot(filled), git(filled.tree, "rev-parse", "HEAD")
+    paths = {"tree": filled.tree, "applied": tmp_path / "applied"}
+    paths["dist"] = tmp_path / "dist"
+    assert cli.main([arg.format(**paths) for arg in argv]) == 1
+    assert capsys.readouterr().err == (
+        f"error: a refresh was stopped half-way writing patches/ and overlay/ "
+        f"({staging}): run refresh to finish it, then {argv[0]} again\n"
+    )
+    assert snapshot(filled) == files
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+    assert not paths["applied"].exists() and not paths["dist"].exists()
+    assert staging.is_dir()
+
+
+def test_validate_waits_for_a_refresh_that_is_writing_the_series(
+    filled: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from k3stack import cli
+
+    two_layers_changed(filled)
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, 3)
+        assert cli.main(["refresh", "--tree", str(filled.tree)]) == 130
+    capsys.readouterr()
+    (staging,) = (filled.root / ".work").glob("refresh-staging-*")
+    with held_as_by_a_running_run(staging):
+        assert cli.main(["validate"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: a refresh is writing patches/ and overlay/ now ({staging}): "
+        "run validate again once it is done\n"
+    )
+
+
+def test_apply_takes_a_refresh_stopped_after_its_last_move(
+    filled: Synthetic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Only the staging folder's removal was left: the series is whole."""
+    import shutil
+
+    from k3stack import cli
+
+    def stopped(path: object, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    two_layers_changed(filled)
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", stopped)
+        assert cli.main(["refresh", "--tree", str(filled.tree)]) == 130
+    assert len(list((filled.root / ".work").glob("refresh-staging-*"))) == 1
+    files = {filled.sdist.name: filled.sdist}
+    monkeypatch.setattr(cli, "load_pin", lambda: filled.pin)
+    monkeypatch.setattr(cli, "fetch", lambda artifact, name: files[artifact.filename])
+    assert cli.main(["apply", "--tree", str(tmp_path / "applied")]) == 0
+    applied = tmp_path / "applied"
+    assert git(applied, "ls-files", "-s") == git(filled.tree, "ls-files", "-s")
