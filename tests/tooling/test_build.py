@@ -867,6 +867,20 @@ def test_build_refuses_a_tree_whose_marker_names_no_upstream_input(
     assert not (tmp_path / "dist" / "stack.lock.json").exists()
 
 
+def test_build_refuses_a_tree_whose_marker_names_a_malformed_upstream_input(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """A hand-edited marker whose input record lacks the sdist's sha256: the
+    lock would carry that record as the input the image was built from."""
+    marker = filled.tree / ".git" / MARKER
+    edited = json.loads(marker.read_bytes())
+    edited["source"] = {"sdist": {"filename": filled.sdist.name}}
+    marker.write_text(json.dumps(edited))
+    with pytest.raises(StackError, match=f"{MARKER} is empty or corrupt"):
+        build_into(filled, tmp_path / "dist")
+    assert not (tmp_path / "dist" / "stack.lock.json").exists()
+
+
 def test_build_of_a_tree_holding_fewer_layers_than_the_series_says_so(
     filled: Synthetic,
     tmp_path: Path,
