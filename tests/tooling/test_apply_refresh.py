@@ -768,6 +768,22 @@ def test_refresh_completes_after_a_refresh_that_failed_before_its_marker(
     assert (filled.tree / "vllm/envs.py").read_text() == envs
 
 
+def test_build_input_is_accepted_once_refresh_completes_one_failed_before_its_marker(
+    filled: Synthetic,
+) -> None:
+    """The files were written back, the marker was not: the next refresh
+    records the layer as the checkout holds it, so build takes the tree."""
+    envs = (filled.tree / "vllm/envs.py").read_text().replace("= 7\n", "= 77\n")
+    filled.amend(1, {"vllm/envs.py": envs})
+    lock = filled.tree / ".git/refs/tags/layer-3.lock"  # a stale ref lock
+    lock.write_text("")
+    with pytest.raises(StackError, match="git tag -f layer-3 failed"):
+        refresh(filled.stack(), filled.tree)
+    lock.unlink()
+    assert refresh(filled.stack(), filled.tree) == []
+    assert current_marker(filled.stack(), filled.tree)["layers"] == 3
+
+
 def test_refresh_refuses_a_change_below_that_a_layer_not_applied_no_longer_fits(
     filled: Synthetic,
 ) -> None:
@@ -778,6 +794,20 @@ def test_refresh_refuses_a_change_below_that_a_layer_not_applied_no_longer_fits(
         StackError,
         match=r"layer 2 \(0002-layer-2.patch\) would no longer apply on the "
         r"refreshed layers below it: vllm/model.py hunk 1 ",
+    ):
+        refresh(filled.stack(), filled.tree)
+    assert git(filled.root, "status", "--porcelain") == ""
+
+
+def test_refresh_refuses_a_deletion_below_of_a_file_a_layer_not_applied_changes(
+    filled: Synthetic,
+) -> None:
+    filled.apply(upto=1)
+    filled.amend(1, {}, delete=("vllm/model.py",))
+    with pytest.raises(
+        StackError,
+        match=r"^layer 2 \(0002-layer-2.patch\) would no longer apply on the "
+        r"refreshed layers below it: vllm/model.py does not exist; refused",
     ):
         refresh(filled.stack(), filled.tree)
     assert git(filled.root, "status", "--porcelain") == ""
@@ -1510,6 +1540,23 @@ def test_refresh_removes_the_staging_folder_a_killed_refresh_left(
     )
 
 
+def test_a_staging_folder_a_refresh_left_before_its_journal_keeps_no_command_out(
+    filled: Synthetic,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Killed while staging, refresh moved nothing: the series is whole and
+    validate runs."""
+    from k3stack import cli
+
+    killed_refresh_staging(filled)
+    for n in (1, 2, 3):
+        (filled.root / f"tests/layer{n}").mkdir(parents=True)
+    monkeypatch.setattr(cli, "ROOT", filled.root)
+    assert cli.main(["validate"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_refresh_keeps_a_staging_folder_that_a_running_refresh_holds(
     filled: Synthetic,
 ) -> None:
@@ -1658,3 +1705,24 @@ def test_apply_takes_a_refresh_stopped_after_its_last_move(
     assert cli.main(["apply", "--tree", str(tmp_path / "applied")]) == 0
     applied = tmp_path / "applied"
     assert git(applied, "ls-files", "-s") == git(filled.tree, "ls-files", "-s")
+
+
+def test_refresh_called_after_an_interrupted_one_finishes_it_and_says_so(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The function, not the command, run again after Ctrl-C half-way
+    through a write-back that leaves the series loadable: it finishes the
+    stopped write-back, names every file changed and refreshes from the
+    finished series."""
+    filled.amend(
+        1, {"vllm/remote/__init__.py": "PORT = 2\n", "vllm/remote/client.py": "X = 5\n"}
+    )
+    files, lines = refreshed_copy(filled, tmp_path)
+    with monkeypatch.context() as m:
+        stop_at_change(m, filled, 2)
+        with pytest.raises(KeyboardInterrupt):
+            refresh(filled.stack(), filled.tree)
+    changed = refresh(filled.stack(), filled.tree)
+    assert [f"refresh: {line}" for line in changed] == lines.splitlines()[:-1]
+    assert snapshot(filled) == files
+    assert refresh(filled.stack(), filled.tree) == []
