@@ -377,3 +377,19 @@ def test_a_lower_layer_naming_other_modules_passes(
     # A higher layer uses a lower one's module: that is how layers extend.
     (filled.root / "overlay/vllm/logits.py").write_text("import vllm.remote\n")
     check_layering(load_stack(filled.root))
+
+
+def test_a_lower_layer_importing_a_package_a_higher_layer_adds_is_refused(
+    filled: Synthetic,
+) -> None:
+    """A package's module is its folder's name, not ``__init__``'s."""
+    claim(filled, 3, "vllm/draft/__init__.py")
+    (filled.root / "overlay/vllm/draft").mkdir()
+    (filled.root / "overlay/vllm/draft/__init__.py").write_text("DRAFT = 1\n")
+    (filled.root / "overlay/vllm/remote/__init__.py").write_text("import vllm.draft\n")
+    with pytest.raises(
+        StackError,
+        match=r"^0001-layer-1.patch: overlay file vllm/remote/__init__.py uses "
+        r"vllm/draft/__init__.py, which layer 3 \(0003-layer-3.patch\) adds",
+    ):
+        check_layering(load_stack(filled.root))
