@@ -692,3 +692,36 @@ def test_a_hunk_header_with_a_pipe_keeps_the_report_table_s_columns() -> None:
     cells = [re.split(r"(?<!\\)\|", row)[1:-1] for row in rows]
     assert [len(c) for c in cells] == [6, 6, 6]
     assert cells[2][4].strip() == hunk.replace("|", "\\|")
+
+
+def test_port_of_a_release_that_holds_a_layer_changes_neither_tree_nor_pin(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rebase --to 2.0 --port` where 2.0 took layer 1: refused before the
+    pin or the tree moves (git would port the layer as an empty commit)."""
+    import k3stack.rebase as rebase_mod
+
+    cache = cache_sdist(filled, tmp_path, monkeypatch)
+    files = dict(layer_1_upstream(), **{"vllm/_version.py": "commit_id = 'g2'\n"})
+    sdist = make_sdist(tmp_path / "vllm-2.0.tar.gz", files, top="vllm-2.0")
+    wheel_name = "vllm-2.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    (cache / wheel_name).write_bytes(filled.wheel.read_bytes())
+    monkeypatch.setattr(
+        rebase_mod,
+        "fetch_release",
+        lambda pin, version: (
+            sdist,
+            {"sdist": sdist.name, "wheels": {wheel_name: "http://unused/"}},
+        ),
+    )
+    pin_file = tmp_path / "pin.toml"
+    pin_file.write_text("as pinned\n")
+    monkeypatch.setattr(rebase_mod, "PIN_FILE", pin_file)
+    head = git(filled.tree, "rev-parse", "HEAD")
+    upstream = git(filled.tree, "rev-parse", "upstream")
+    args = rebase_args(tmp_path, to="2.0", port=True, tree=filled.tree)
+    with pytest.raises(StackError, match=r"^layer 1 is already upstream in vllm 2\.0"):
+        rebase_command(filled.stack(), filled.pin, args)
+    assert pin_file.read_text() == "as pinned\n"
+    assert git(filled.tree, "rev-parse", "HEAD") == head
+    assert git(filled.tree, "rev-parse", "upstream") == upstream
