@@ -533,6 +533,21 @@ def test_the_self_check_finds_an_installed_record_that_differs_from_the_lock(
     ]
 
 
+def test_the_self_check_finds_an_installed_record_rewritten_ahead_of_its_rows(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """An installed RECORD that does not begin with the lock's RECORD (a row
+    put ahead of it) is not the lock's, whatever installer rows it holds."""
+    from k3stack import install
+
+    payload, site = installed(filled, tmp_path)
+    (record,) = site.glob("vllm-1.0+stack.*.dist-info/RECORD")
+    record.write_text("bin/vllm,,\n" + record.read_text())
+    assert install.verify(payload, site) == [
+        f"{record.relative_to(site).as_posix()}: content differs from the lock"
+    ]
+
+
 def test_the_self_check_accepts_bytecode_caches_beside_their_sources(
     filled: Synthetic, tmp_path: Path
 ) -> None:
