@@ -188,6 +188,19 @@ def test_the_self_check_finds_a_file_that_differs_from_the_lock(
     ]
 
 
+def test_the_self_check_finds_a_file_changed_to_other_bytes_of_the_same_size(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    from k3stack import install
+
+    payload, site = installed(filled, tmp_path)
+    binary = site / "vllm/_C.abi3.so"
+    binary.write_bytes(bytes(len(binary.read_bytes())))
+    assert install.verify(payload, site) == [
+        "vllm/_C.abi3.so: content differs from RECORD"
+    ]
+
+
 def test_a_tampered_payload_is_refused_before_anything_changes(
     filled: Synthetic, tmp_path: Path
 ) -> None:
