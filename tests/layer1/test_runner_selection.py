@@ -130,6 +130,10 @@ def test_the_legacy_dspark_address_leaves_dflash_on_upstreams_fallback(
         ("tcp://127.0.0.1", NOT_TCP),
         ("tcp://127.0.0.1:0", NOT_TCP),
         ("tcp://127.0.0.1:70000", NOT_TCP),
+        ("tcp://127.0.0.1:65536", NOT_TCP),
+        # Digits, but not ASCII ones: ZeroMQ reads no port in them.
+        ("tcp://127.0.0.1:\u0665\u0665", NOT_TCP),
+        ("tcp://127.0.0.1:\u00b2", NOT_TCP),
         ("tcp://127.0.0.1:5555 ", NOT_TCP),
         ("tcp://*:5555", "names the bind wildcard '*', not a host to connect to"),
     ],

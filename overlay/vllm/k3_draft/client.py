@@ -231,7 +231,8 @@ def check_server_address(address: str) -> None:
         )
     if transport == "tcp":
         host, sep, port = endpoint.rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        numeric_port = port.isascii() and port.isdigit()
+        if not (sep and host and numeric_port and 0 < int(port) < 65536):
             raise ValueError(
                 f"draft server address {address!r} is not tcp://HOST:PORT "
                 "with a port in 1..65535"
