@@ -278,6 +278,47 @@ def test_a_group_readable_curve_secret_key_is_refused_unless_root_owns_it(
     assert "mode 0640, open to other users" in refused(flags, capsys)
 
 
+def _owned_by(path: str, uid: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``path`` owned by ``uid``: chown as root; otherwise, without the
+    privilege to, the owner ``os.stat`` reports for it is emulated."""
+    if os.geteuid() == 0:
+        os.chown(path, uid, uid)
+        return
+    real = os.stat
+    file = real(path)
+
+    def stat(target: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real(target, *args, **kwargs)
+        if (result.st_dev, result.st_ino) != (file.st_dev, file.st_ino):
+            return result
+        fields = list(result[:10])
+        fields[4] = uid  # st_uid
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+@pytest.mark.parametrize("owner", [0, 65534], ids=["root", "another-user"])
+@pytest.mark.parametrize("mode", [0o604, 0o620, 0o601], ids=oct)
+def test_a_curve_secret_key_open_to_others_is_refused_whoever_owns_it(
+    tmp_path, capsys, monkeypatch, owner, mode
+):
+    """Only a group read of a root-owned key is allowed: whoever owns it,
+    any access by others and a group write are refused (run as root, the
+    files the other tests write are root's; run as a user, they are not)."""
+    flags = _curve_flags(tmp_path)
+    os.chmod(flags[1], mode)
+    _owned_by(flags[1], owner, monkeypatch)
+    assert f"mode {mode:04o}, open to other users" in refused(flags, capsys)
+
+
+def test_a_root_owned_curve_secret_key_may_be_read_by_its_group(tmp_path, monkeypatch):
+    flags = _curve_flags(tmp_path)
+    os.chmod(flags[1], 0o640)
+    _owned_by(flags[1], 0, monkeypatch)
+    assert parse_args(BASE + flags).curve is not None
+
+
 def test_a_curve_secret_key_reached_through_a_link_is_checked_as_its_file(
     tmp_path, capsys
 ):
@@ -378,6 +419,23 @@ def test_authorized_keys_writable_by_other_users_are_refused_in_one_line(
     assert err.splitlines()[-1].endswith(
         f"error: {name} {path} has mode {mode:04o}, writable by other users "
         "(chmod go-w it)"
+    )
+
+
+def test_authorized_certificates_reached_through_links_are_checked_as_their_files(
+    tmp_path, capsys
+):
+    """A folder of links to certificates kept elsewhere (a link's own mode
+    is 0777): each is accepted or refused by the mode of its file."""
+    flags = _curve_flags(tmp_path)
+    client = tmp_path / "clients" / "client.key"
+    kept = tmp_path / "client.key"
+    client.rename(kept)
+    client.symlink_to(kept)
+    assert parse_args(BASE + flags).curve is not None
+    os.chmod(kept, 0o666)
+    assert f"authorized client certificate {client} has mode 0666" in refused(
+        flags, capsys
     )
 
 
