@@ -775,3 +775,24 @@ def test_retries_of_an_unreachable_server_back_off_doubling_to_the_maximum(
     finally:
         client.close()
     assert sent == pings
+
+
+def test_a_server_that_answers_pings_but_fails_every_propose_is_retried_doubling(
+    monkeypatch, scripted_server
+):
+    """Each retry's handshake succeeds and its PROPOSE fails: the handshake
+    does not reset the backoff, so in 20 s the server sees a handful of
+    PROPOSEs (1, 2, 4, 8 s apart), not one per retry interval."""
+    clock = _Clock()
+    monkeypatch.setattr(plan_module, "time", clock)
+    scripted_server.handlers["PROPOSE"] = _failing_propose
+    client = DraftClient(scripted_server.address, timeout_ms=1000)
+    plan = RemotePlan(client, NEEDS, retry_interval_s=1.0, max_retry_interval_s=60.0)
+    try:
+        plan.connect()
+        for tick in range(81):
+            clock.now = tick / 4
+            assert (plan.run(_step(["a"])).tokens == -1).all()
+    finally:
+        client.close()
+    assert 4 <= scripted_server.ops().count("PROPOSE") <= 8, scripted_server.ops()

@@ -11,6 +11,7 @@ counted on the ``vllm`` logger."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -184,3 +185,97 @@ def test_a_free_refused_at_every_step_is_logged_once_an_interval(
     assert steps > 20
     assert len(refused) == 2, refused
     assert "more in the 1 s before, not logged" in refused[1]
+
+
+def test_an_outage_whose_first_failure_was_left_out_is_resumed_from_once(
+    scripted_server, lines
+):
+    """A PROPOSE fails, is logged, and drafting resumes; within the minute it
+    fails again twice in a row: the first failure is left out, the second
+    takes the server offline with a warning, so the step that drafts again
+    says so once more."""
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
+    steps = itertools.count()
+
+    def drafts() -> bool:
+        return bool((plan.run(_step(f"r{next(steps)}")).tokens >= 0).all())
+
+    def until_drafted() -> None:
+        assert any(drafts() for _ in range(20))
+
+    try:
+        plan.connect()
+        until_drafted()
+        scripted_server.handlers[protocol.OP_PROPOSE] = _refuse
+        assert not drafts()
+        del scripted_server.handlers[protocol.OP_PROPOSE]
+        until_drafted()
+        scripted_server.handlers[protocol.OP_PROPOSE] = _refuse
+        for _ in range(20):
+            assert not drafts()
+            if lines.messages("Remote draft unavailable"):
+                break
+        del scripted_server.handlers[protocol.OP_PROPOSE]
+        until_drafted()
+    finally:
+        client.close()
+    assert len(lines.messages("Remote draft unavailable")) == 1
+    assert len(lines.messages("Draft PROPOSE failed")) == 1
+    assert len(lines.messages(RESUMED)) == 2, lines.messages()
+
+
+def test_each_failure_line_counts_only_the_failures_left_out_since_the_last():
+    log = plan_module._FailureLog(0.1)
+    assert log.admit("call") == ""
+    for _ in range(3):
+        assert log.admit("call") is None
+    time.sleep(0.12)
+    assert (log.admit("call") or "").startswith(" (3 more in the ")
+    assert log.admit("call") is None
+    time.sleep(0.12)
+    assert (log.admit("call") or "").startswith(" (1 more in the ")
+    time.sleep(0.12)
+    assert log.admit("call") == ""
+
+
+def test_the_resumed_line_counts_every_failed_call_logged_or_not(lines):
+    log = plan_module._FailureLog(60.0)
+    log.failed_and_logged()
+    log.failed()
+    log.failed()
+    log.resumed("tcp://127.0.0.1:1")
+    (resumed,) = lines.messages(RESUMED)
+    assert "3 failed calls since" in resumed
+    log.failed_and_logged()
+    log.resumed("tcp://127.0.0.1:1")
+    assert "1 failed calls since" in lines.messages(RESUMED)[1]
+
+
+def test_a_server_that_another_verifier_fills_is_cleared_with_a_line_an_interval(
+    scripted_server, lines, monkeypatch
+):
+    """Every FREE's reply counts requests this verifier does not know of
+    (another verifier on the server): every step clears the server, and
+    one warning per interval says so."""
+    monkeypatch.setattr(plan_module, "_FAILURE_LOG_INTERVAL_S", 1.0)
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
+    try:
+        plan.connect()
+        for i in range(plan.server.max_requests):
+            plan.run(_step(f"fill{i}"))
+        scripted_server.handlers[protocol.OP_FREE] = lambda h, f: scripted_server.reply(
+            protocol.OP_FREE, active_requests=99
+        )
+        started = time.monotonic()
+        steps = 0
+        while time.monotonic() - started < 1.5:
+            plan.run(_step(f"new{steps}"))
+            steps += 1
+    finally:
+        client.close()
+    assert steps > 20 and scripted_server.ops().count(protocol.OP_CLEAR) > 20
+    clearing = lines.messages("clearing it")
+    assert len(clearing) == 2, clearing
+    assert "more in the 1 s before, not logged" in clearing[1]
