@@ -96,8 +96,7 @@ def test_authorized_keys_gone_before_bind_refuse_the_curve_socket(tmp_path):
             authenticator = secure_socket(
                 context, socket, curve, curve.load_server_keys()
             )
-            if authenticator is not None:  # not refused: stop its thread
-                authenticator.stop()
+            authenticator.stop()  # not refused: stop its thread
     finally:
         socket.close(linger=0)
         context.term()

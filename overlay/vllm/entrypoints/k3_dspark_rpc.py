@@ -148,9 +148,9 @@ class RpcTransport:
         try:
             if self.curve is not None:
                 self._server_keys = self.curve.load_server_keys()
-            self.authenticator = secure_socket(
-                self.context, socket, self.curve, self._server_keys
-            )
+                self.authenticator = secure_socket(
+                    self.context, socket, self.curve, self._server_keys
+                )
             socket.bind(address)
         except BaseException:
             # An open socket would keep close()'s context.term() waiting.

@@ -389,15 +389,12 @@ def warn_if_unsafe(address: str, curve: CurveConfig | None) -> None:
 def secure_socket(
     context: zmq.Context,
     socket: zmq.Socket,
-    curve: CurveConfig | None,
-    keys: tuple[bytes, bytes] | None,
-) -> ThreadAuthenticator | None:
+    curve: CurveConfig,
+    keys: tuple[bytes, bytes],
+) -> ThreadAuthenticator:
     """Make ``socket`` a CURVE server (before bind) with the server's
     ``keys`` (public, secret: ``curve.load_server_keys()``) and a running
-    ZAP authenticator; returns it (stop it at shutdown) or None without
-    ``curve``."""
-    if curve is None or keys is None:
-        return None
+    ZAP authenticator; returns it (stop it at shutdown)."""
     curve.check_authorized_keys()
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
