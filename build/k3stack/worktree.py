@@ -361,14 +361,22 @@ def _build_tree(
 def put_back_aside(dest: Path, aside: str) -> None:
     """Finish what a killed apply left of the tree it was replacing: with no
     ``dest``, its old tree goes back in place (it may hold work made while
-    that apply ran); beside a new ``dest`` it had been checked and goes."""
+    that apply ran); beside a new ``dest`` it had been checked and goes.
+    Beside a ``dest`` no apply made (a folder made again since), it may
+    never have been checked: refused, it stays."""
     for old in sorted(dest.parent.glob(f"{glob.escape(aside)}*")):
         if old.is_symlink() or not old.is_dir():
             continue
-        if dest.exists():
+        if not dest.exists():
+            old.rename(dest)
+        elif (dest / ".git" / MARKER).is_file():
             shutil.rmtree(old, ignore_errors=True)
         else:
-            old.rename(dest)
+            raise StackError(
+                f"apply: {old} holds the tree a killed apply moved aside, and "
+                f"{dest} is no tree apply made; refused: move {dest} out of the "
+                f"way and run `nox -s apply` again to put it back"
+            )
 
 
 def _umask() -> int:

@@ -1726,3 +1726,18 @@ def test_refresh_called_after_an_interrupted_one_finishes_it_and_says_so(
     assert [f"refresh: {line}" for line in changed] == lines.splitlines()[:-1]
     assert snapshot(filled) == files
     assert refresh(filled.stack(), filled.tree) == []
+
+
+def test_apply_keeps_a_tree_moved_aside_when_the_tree_folder_was_made_again(
+    filled: Synthetic,
+) -> None:
+    """SIGKILL after apply moved the tree aside, before it checked it, and the
+    tree's folder made again, empty: the next apply refuses, naming the tree
+    aside, and deletes none of the work in it."""
+    aside = filled.tree.parent / ".tree.k3stack-aside-killed"
+    (filled.tree / "vllm/envs.py").write_text("saved during the killed apply\n")
+    filled.tree.rename(aside)
+    filled.tree.mkdir()
+    with pytest.raises(StackError, match=re.escape(str(aside))):
+        filled.apply()
+    assert (aside / "vllm/envs.py").read_text() == "saved during the killed apply\n"
