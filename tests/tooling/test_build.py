@@ -741,6 +741,36 @@ def test_a_build_refuses_files_it_did_not_make_deep_in_the_image_context(
     build_into(filled, dist)
 
 
+def test_a_build_refuses_a_user_s_file_beside_the_payload_in_the_image_context(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """stack/site/ holds the payload, but only the files the lock lists are a
+    build's: a file a user put there is refused, not removed by the build."""
+    filled.apply()
+    dist = tmp_path / "dist"
+    build_into(filled, dist)
+    (dist / "image" / "stack" / "site" / "vllm" / "mine.py").write_text("X = 1\n")
+    before = dist_files(dist)
+    with pytest.raises(StackError, match="stack/site/vllm/mine.py"):
+        build_into(filled, dist)
+    assert dist_files(dist) == before
+
+
+def test_a_build_refuses_a_link_a_user_put_in_the_image_context(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    filled.apply()
+    dist = tmp_path / "dist"
+    build_into(filled, dist)
+    data = tmp_path / "data"
+    data.mkdir()
+    link = dist / "image" / "stack" / "data"
+    link.symlink_to(data, target_is_directory=True)
+    with pytest.raises(StackError, match="stack/data"):
+        build_into(filled, dist)
+    assert link.is_symlink()
+
+
 @pytest.mark.parametrize("kind", ["file", "symlink"])
 def test_an_image_path_that_is_no_folder_is_refused_before_anything_changes(
     filled: Synthetic, tmp_path: Path, kind: str
@@ -996,3 +1026,14 @@ def test_the_installed_record_keeps_the_console_script_pip_wrote_for_upstream(
     run("-m", "pip", "uninstall", "-y", "-q", "vllm")
     assert not (env_dir / "bin" / "vllm").exists()
     assert list(env_dir.glob("lib/python*/site-packages/vllm*")) == []
+
+
+def test_every_file_the_installed_record_lists_is_installed(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """The upstream RECORD's rows for its own dist-info, which the install
+    removes, do not pass into the new RECORD."""
+    _, site = installed(filled, tmp_path)
+    (record,) = site.glob("vllm-1.0+stack.*.dist-info/RECORD")
+    rows = [row for row in csv.reader(io.StringIO(record.read_text())) if row]
+    assert [row[0] for row in rows if not (site / row[0]).is_file()] == []
