@@ -279,6 +279,20 @@ def test_a_pristine_run_that_dies_is_refused_and_not_cached(
     assert not list(work.glob("baseline-*.json"))
 
 
+def test_a_pristine_run_that_is_interrupted_is_refused_and_not_cached(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    """pytest writes its XML when interrupted too: that is no baseline."""
+    files = dict(UPSTREAM_FILES)
+    files["tests/test_stop.py"] = "def test_stop():\n    raise KeyboardInterrupt\n"
+    site0 = prepare(synthetic, tmp_path, make_sdist(tmp_path / "stop.tar.gz", files))
+    work, out = tmp_path / "work", tmp_path / "out"
+    tests = ["tests/test_stop.py"]
+    with pytest.raises(StackError, match="did not run to the end on pristine"):
+        baseline(PYTHON, synthetic.tree, site0, tests, work, out)
+    assert not list(work.glob("baseline-*.json"))
+
+
 def site_with(tmp_path: Path, modules: dict[str, str]) -> Path:
     """A site holding an empty ``vllm`` and ``vllm.envs`` and ``modules``
     (name under ``vllm/`` -> source)."""
@@ -323,6 +337,16 @@ def test_an_import_that_ends_the_process_with_status_0_is_reported(
     ]
 
 
+def test_an_import_that_ends_the_process_after_printing_is_reported(
+    tmp_path: Path,
+) -> None:
+    site = site_with(tmp_path, {"quits": "import os\nprint('bye')\nos._exit(0)\n"})
+    assert check_imports(PYTHON, site, ["vllm.quits"]) == [
+        "bye",
+        "the import check ended with exit code 0 and no message",
+    ]
+
+
 def test_a_skipped_test_of_our_own_suites_fails_its_row() -> None:
     row = Row("3")
     outcomes = Outcomes({"t.a::one": "passed", "t.b::two": "skipped"})
@@ -343,7 +367,7 @@ def qualify_args(tmp_path: Path, layer: int | None) -> argparse.Namespace:
 
 
 def refuse_running_tests(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_run(*args: object) -> None:
+    def no_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("qualify ran tests")
 
     monkeypatch.setattr("k3stack.qualify.run_pytest", no_run)
@@ -366,6 +390,17 @@ def test_qualify_refuses_an_empty_series_in_one_line(
     (synthetic.root / "patches/series").write_text("# no layers yet\n")
     with pytest.raises(StackError, match="patches/series lists no layers"):
         qualify_command(synthetic.stack(), synthetic.pin, qualify_args(tmp_path, None))
+
+
+def test_qualify_refuses_a_lower_layer_using_a_higher_one_s_module_before_running(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_running_tests(monkeypatch)
+    for n in (1, 2, 3):
+        (filled.root / "tests" / f"layer{n}").mkdir(parents=True)
+    (filled.root / "overlay/vllm/remote/__init__.py").write_text("import vllm.logits\n")
+    with pytest.raises(StackError, match="a lower layer cannot use a higher one's"):
+        qualify_command(filled.stack(), filled.pin, qualify_args(tmp_path, None))
 
 
 def test_a_suite_run_that_exited_non_zero_fails_its_row() -> None:
@@ -414,6 +449,16 @@ def test_a_new_upstream_test_that_fails_on_the_layer_is_a_regression(
     row = layer_3_row_with_upstream_test(
         filled, tmp_path, "def test_new():\n    assert False\n"
     )
+    assert not row.ok
+    assert "regression: tests.test_model::test_new" in row.notes
+
+
+def test_a_new_upstream_test_that_the_layer_skips_is_a_regression(
+    filled: Synthetic, tmp_path: Path
+) -> None:
+    """Pristine has no outcome for it: it must pass, as one pristine passed."""
+    test = "import pytest\n\n\ndef test_new():\n    pytest.skip('no hub')\n"
+    row = layer_3_row_with_upstream_test(filled, tmp_path, test)
     assert not row.ok
     assert "regression: tests.test_model::test_new" in row.notes
 
@@ -493,6 +538,22 @@ def test_the_baseline_is_not_reused_for_another_set_of_upstream_tests(
     assert baseline(PYTHON, synthetic.tree, site0, tests, work, out).results == {
         "tests.test_model::test_step_one": "passed",
         "tests.test_more::test_more": "passed",
+    }
+
+
+def test_the_baseline_is_not_reused_for_another_set_of_settled_tests(
+    synthetic: Synthetic, tmp_path: Path
+) -> None:
+    site0 = prepare(synthetic, tmp_path)
+    work, out = tmp_path / "work", tmp_path / "out"
+    tests = ["tests/test_model.py"]
+    step_one = "tests.test_model::test_step_one"
+    settled = frozenset({step_one})
+    assert (
+        baseline(PYTHON, synthetic.tree, site0, tests, work, out, settled).results == {}
+    )
+    assert baseline(PYTHON, synthetic.tree, site0, tests, work, out).results == {
+        step_one: "passed"
     }
 
 
