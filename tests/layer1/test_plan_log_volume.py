@@ -165,7 +165,7 @@ def test_a_free_refused_at_every_step_is_logged_once_an_interval(
     """A server that refuses every FREE: the requests stay stale and every
     step retries the FREE (its drafts go on). One warning per interval, the
     next counting the refusals left out."""
-    monkeypatch.setattr(plan_module, "_FAILURE_LOG_INTERVAL_S", 1.0)
+    monkeypatch.setattr(plan_module, "FAILURE_LOG_INTERVAL_S", 1.0)
     client = DraftClient(scripted_server.address, timeout_ms=300)
     plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
     try:
@@ -226,7 +226,7 @@ def test_an_outage_whose_first_failure_was_left_out_is_resumed_from_once(
 
 
 def test_each_failure_line_counts_only_the_failures_left_out_since_the_last():
-    log = plan_module._FailureLog(0.1)
+    log = plan_module.FailureLog(0.1)
     assert log.admit("call") == ""
     for _ in range(3):
         assert log.admit("call") is None
@@ -240,7 +240,7 @@ def test_each_failure_line_counts_only_the_failures_left_out_since_the_last():
 
 
 def test_the_resumed_line_counts_every_failed_call_logged_or_not(lines):
-    log = plan_module._FailureLog(60.0)
+    log = plan_module.FailureLog(60.0)
     log.failed_and_logged()
     log.failed()
     log.failed()
@@ -258,7 +258,7 @@ def test_a_server_that_another_verifier_fills_is_cleared_with_a_line_an_interval
     """Every FREE's reply counts requests this verifier does not know of
     (another verifier on the server): every step clears the server, and
     one warning per interval says so."""
-    monkeypatch.setattr(plan_module, "_FAILURE_LOG_INTERVAL_S", 1.0)
+    monkeypatch.setattr(plan_module, "FAILURE_LOG_INTERVAL_S", 1.0)
     client = DraftClient(scripted_server.address, timeout_ms=300)
     plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
     try:

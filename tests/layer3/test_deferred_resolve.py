@@ -631,6 +631,32 @@ def test_a_failed_reply_is_logged_with_a_traceback_unless_the_server_s(
     assert (record.exc_info is not None) is traceback
 
 
+def test_a_reply_failure_that_recurs_every_step_is_logged_once_an_interval(
+    make_speculator, scripted_server, monkeypatch, caplog
+):
+    """A bug that fails every reply would log a traceback per step: the
+    same failure is logged once a minute; another kind is logged at once."""
+    speculator, _ = make_speculator(scripted_server.address)
+    errors = [RuntimeError("plan bug")] * 5 + [KeyError("other bug")]
+
+    def failing(step: Any) -> None:
+        raise errors.pop(0)
+
+    monkeypatch.setattr(speculator, "exchange", failing)
+    strategy = _deferred(speculator)
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_draft.deferred"):
+        for step in range(6):
+            strategy.select_step(_runner_view(), _batch(["a"], [3]))
+            drafts = _propose(speculator, _batch(["a"], [3], start=10 + 10 * step))
+            strategy.consume(lambda *args: None)
+            assert (drafts == -1).all()
+    failed = [r for r in caplog.records if "reply failed" in r.getMessage()]
+    assert [repr(r.exc_info and r.exc_info[1]) for r in failed] == [
+        "RuntimeError('plan bug')",
+        "KeyError('other bug')",
+    ]
+
+
 def test_staging_slots_alternate(make_speculator, scripted_server):
     speculator, _ = make_speculator(scripted_server.address)
     strategy = _deferred(speculator)

@@ -77,7 +77,12 @@ import numpy as np
 import torch
 
 from vllm import envs
-from vllm.k3_draft.plan import NO_DRAFT, ProposeExtension
+from vllm.k3_draft.plan import (
+    FAILURE_LOG_INTERVAL_S,
+    NO_DRAFT,
+    FailureLog,
+    ProposeExtension,
+)
 from vllm.k3_draft.protocol import ProtocolError
 from vllm.k3_draft.stream_gate import ReplyGate, StreamGate, require_runtime
 from vllm.logger import init_logger
@@ -271,6 +276,7 @@ class DeferredResolution(ImmediateResolution):
         self._next_slot = 0
         self._worker: _ReplyWorker | None = None
         self._switch_interval_us = envs.VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US
+        self._failures = FailureLog(FAILURE_LOG_INTERVAL_S)
         # Same on every rank (the extensions are built from the same config).
         handles = [extension_staging(e) for e in speculator.extensions]
         self.deferrable = all(handle is not None for handle in handles)
@@ -425,13 +431,17 @@ class DeferredResolution(ImmediateResolution):
                 logger.exception("Clearing %s staging failed", handle.capability)
         plan = self.speculator.plan
         request_ids = [] if step.staged is None else step.staged.request_ids
-        logger.warning(
-            "Deferred draft reply failed (%r); no drafts for %d requests",
-            exc,
-            len(request_ids),
-            # A protocol failure is the server's; anything else a bug here.
-            exc_info=None if isinstance(exc, ProtocolError) else exc,
-        )
+        # A failure that recurs every step is logged once an interval.
+        suffix = self._failures.admit(type(exc).__name__)
+        if suffix is not None:
+            logger.warning(
+                "Deferred draft reply failed (%r); no drafts for %d requests%s",
+                exc,
+                len(request_ids),
+                suffix,
+                # A protocol failure is the server's; anything else a bug here.
+                exc_info=None if isinstance(exc, ProtocolError) else exc,
+            )
         if plan is None:
             return
         for request_id in request_ids:

@@ -83,7 +83,7 @@ NO_DRAFT = -1
 _PROBE_WAIT_MS = 20
 # A failure that no backoff paces (the next step retries at once) is logged at
 # most once per this many seconds for each kind of failure.
-_FAILURE_LOG_INTERVAL_S = 60.0
+FAILURE_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ class _Retained:
     prefill_continues: bool = False
 
 
-class _FailureLog:
+class FailureLog:
     """What the plan logs about failures over a long run. A failure that no
     backoff paces (the next step retries at once, so a fault that lets every
     other step through would otherwise log at the step rate) is logged at
@@ -435,7 +435,7 @@ class RemotePlan:
         # While a PING of a retry is outstanding: when it is given up.
         self._probe_deadline: float | None = None
         self._warned_long_id = False
-        self._log = _FailureLog(_FAILURE_LOG_INTERVAL_S)
+        self._log = FailureLog(FAILURE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ server
 
@@ -523,7 +523,7 @@ class RemotePlan:
         fails every call costs one timeout or round trip and one warning per
         retry, not one per step; a first failure, which the next step
         retries at once, is logged at most once per
-        ``_FAILURE_LOG_INTERVAL_S``."""
+        ``FAILURE_LOG_INTERVAL_S``."""
         self._failed_calls += 1
         if self._failed_calls > 1:
             self._go_offline(exc)
