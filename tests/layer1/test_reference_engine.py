@@ -15,7 +15,11 @@ from vllm.k3_draft.engine import (
     padded_batch_size,
     plan_context,
 )
-from vllm.k3_draft.reference_engine import ReferenceEngine, ReferenceModelConfig
+from vllm.k3_draft.reference_engine import (
+    ReferenceEngine,
+    ReferenceModelConfig,
+    TorchDraftEngine,
+)
 
 LIMITS = DraftLimits(
     max_requests=4,
@@ -82,6 +86,12 @@ def test_query_heads_must_be_a_multiple_of_the_kv_heads():
 def test_a_mask_token_past_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         dataclasses.replace(SHAPE, mask_token_id=SHAPE.vocab_size)
+
+
+@pytest.mark.parametrize("size", [0, SHAPE.vocab_size])
+def test_a_draft_vocabulary_that_is_not_a_proper_subset_is_refused(size):
+    with pytest.raises(ValueError, match="must be positive and below vocab_size"):
+        dataclasses.replace(SHAPE, draft_vocab_size=size)
 
 
 def test_a_weight_of_2_to_the_63_elements_is_refused():
@@ -287,6 +297,26 @@ class MisshapenEngine(ReferenceEngine):
         weights = super().host_weights()
         weights["lm_head"] = weights["lm_head"][:-1]
         return weights
+
+
+class ReducedVocabularyEngine(TorchDraftEngine):
+    """The reference draft over half the vocabulary: draft id i drafts
+    vocabulary id 2 i."""
+
+    seed = 0
+
+    def host_weights(self) -> dict[str, torch.Tensor]:
+        weights = ReferenceEngine.host_weights(self)
+        weights["draft_to_target"] = 2 * torch.arange(self.shape.draft_vocab)
+        return weights
+
+
+def test_memory_plan_counts_a_reduced_vocabularys_int64_id_map():
+    shape = dataclasses.replace(SHAPE, draft_vocab_size=SHAPE.vocab_size // 2)
+    engine = ReducedVocabularyEngine(LIMITS, shape, torch.device("cpu"))
+    engine.load()
+    weights = sum(w.nbytes for w in engine.w.values())
+    assert engine.memory_plan().weight_bytes == weights + engine.rope.nbytes
 
 
 def test_load_refuses_weights_that_do_not_match_the_draft_shape():

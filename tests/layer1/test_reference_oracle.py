@@ -244,7 +244,12 @@ def test_per_layer_attention_that_does_not_fit_the_layers_is_refused(attention, 
 
 
 @pytest.mark.parametrize(
-    "attention", [{"attention_sinks": True}, {"causal_layers": (True, True)}]
+    "attention",
+    [
+        {"attention_sinks": True},
+        {"causal_layers": (True, True)},
+        {"sliding_windows": (5, None)},
+    ],
 )
 def test_a_latent_attention_draft_with_sinks_or_masks_is_refused(attention):
     shape = ReferenceModelConfig(method="dspark", latent_attention=True).shape()
