@@ -799,12 +799,15 @@ def test_checkpoints_in_a_subfolder_of_a_huggingface_hub_snapshot_are_served(
     assert_drafts_as_the_reference(nested, target, "dflash")
 
 
+@pytest.mark.parametrize("outside", ["elsewhere", "hub/models--org--target/refs"])
 def test_a_hub_snapshot_file_linked_outside_its_repository_blobs_is_refused(
-    tmp_path,
+    tmp_path, outside
 ):
+    """Outside the cache, or in another folder of the repository."""
     draft, target = write_checkpoints(tmp_path, "dflash")
     target = as_hub_snapshot(target, tmp_path / "hub" / "models--org--target")
-    elsewhere = tmp_path / "elsewhere.safetensors"
+    (tmp_path / outside).mkdir(exist_ok=True)
+    elsewhere = tmp_path / outside / "elsewhere.safetensors"
     (target / "model-00002-of-00002.safetensors").resolve().rename(elsewhere)
     (target / "model-00002-of-00002.safetensors").unlink()
     (target / "model-00002-of-00002.safetensors").symlink_to(elsewhere)
@@ -1041,6 +1044,16 @@ _DEEP_JSON = "[" * 100_000 + "]" * 100_000
             _alias_second_layer_norm,
             r"layers.1.input_layernorm.weight: data offsets \[\d+, \d+\] in "
             ".* overlap the tensor before",
+        ),
+        (
+            "draft/model.safetensors",
+            _safetensors(
+                '{"fc.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                '"final_norm.weight": {"dtype": "F32", "shape": [1], '
+                '"data_offsets": [8, 12]}}',
+                bytes(12),
+            ),
+            r"final_norm.weight: data offsets \[8, 12\] in .* leave a gap",
         ),
         (
             "draft/model.safetensors",
