@@ -178,7 +178,8 @@ def test_what_it_serves() -> None:
     assert not topk_select.supports(10, 11)
     assert not topk_select.supports(VOCAB, 0)
     assert not topk_select.supports(VOCAB, 65)
-    # More candidates per row than one program takes.
+    # As many candidates per row as one program takes, and more.
+    assert topk_select.supports(4096 * topk_select.CHUNK, 4)
     assert not topk_select.supports(4097 * topk_select.CHUNK, 4)
 
 
