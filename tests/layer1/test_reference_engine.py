@@ -359,6 +359,29 @@ def test_plan_context_drops_rows_beyond_a_budget_below_the_reach():
     assert plan.positions.tolist() == list(range(8, 40))
 
 
+@pytest.mark.parametrize("counts", [[100, 70], [60], [40, 30]])
+def test_a_context_pass_writes_each_kv_slot_at_most_once(counts):
+    """Rows past the KV window's reach go to the reserved block 0, not over
+    the ring slot of a kept row: on CUDA, which of two writes to one slot
+    lands is undefined (here, in order, the kept row would win either way,
+    so the pass's own index is what shows it)."""
+    engine = make_engine()
+    n = len(counts)
+    context = torch.cat([rows(c, 60 + i) for i, c in enumerate(counts)])
+    engine.propose(batch(list(range(n)), [0] * n, counts, counts, context))
+    plan = plan_context(
+        batch(list(range(n)), [0] * n, counts, counts, context),
+        engine.limits.kv_reach,
+        engine.cache.budget,
+    )
+    written = engine._host_context[2, : plan.positions.shape[0]]
+    outside_block_0 = written[written >= engine.limits.block_size]
+    assert outside_block_0.unique().numel() == outside_block_0.numel()
+    assert outside_block_0.numel() == sum(
+        min(c, engine.limits.kv_reach) for c in counts
+    )
+
+
 def test_graph_batch_sizes_cover_every_batch_size():
     assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert graph_batch_sizes(1) == [1]
