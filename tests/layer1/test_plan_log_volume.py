@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,21 +160,21 @@ def _refuse(header, frames):
     ]
 
 
-def test_a_free_refused_at_every_step_is_logged_once_an_interval(
-    scripted_server, lines, monkeypatch
-):
-    """A server that refuses every FREE: the requests stay stale and every
-    step retries the FREE (its drafts go on). One warning per interval, the
-    next counting the refusals left out."""
+def _new_requests_for_a_while(
+    scripted_server: Any, monkeypatch: pytest.MonkeyPatch, free: Any
+) -> int:
+    """With a 1 s failure-log interval, fill the server's retained slots,
+    let ``free`` answer FREE, then run a new request a step (each makes room
+    by a FREE) for 1.5 s; the number of those steps."""
     monkeypatch.setattr(plan_module, "FAILURE_LOG_INTERVAL_S", 1.0)
     client = DraftClient(scripted_server.address, timeout_ms=300)
     plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
     try:
         plan.connect()
-        # Eight retained requests; each new one makes room by a FREE.
+        assert plan.server is not None
         for i in range(plan.server.max_requests):
             plan.run(_step(f"fill{i}"))
-        scripted_server.handlers[protocol.OP_FREE] = _refuse
+        scripted_server.handlers[protocol.OP_FREE] = free
         started = time.monotonic()
         steps = 0
         while time.monotonic() - started < 1.5:
@@ -181,6 +182,16 @@ def test_a_free_refused_at_every_step_is_logged_once_an_interval(
             steps += 1
     finally:
         client.close()
+    return steps
+
+
+def test_a_free_refused_at_every_step_is_logged_once_an_interval(
+    scripted_server, lines, monkeypatch
+):
+    """A server that refuses every FREE: the requests stay stale and every
+    step retries the FREE (its drafts go on). One warning per interval, the
+    next counting the refusals left out."""
+    steps = _new_requests_for_a_while(scripted_server, monkeypatch, _refuse)
     refused = lines.messages("Draft FREE failed")
     assert steps > 20
     assert len(refused) == 2, refused
@@ -258,23 +269,11 @@ def test_a_server_that_another_verifier_fills_is_cleared_with_a_line_an_interval
     """Every FREE's reply counts requests this verifier does not know of
     (another verifier on the server): every step clears the server, and
     one warning per interval says so."""
-    monkeypatch.setattr(plan_module, "FAILURE_LOG_INTERVAL_S", 1.0)
-    client = DraftClient(scripted_server.address, timeout_ms=300)
-    plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
-    try:
-        plan.connect()
-        for i in range(plan.server.max_requests):
-            plan.run(_step(f"fill{i}"))
-        scripted_server.handlers[protocol.OP_FREE] = lambda h, f: scripted_server.reply(
-            protocol.OP_FREE, active_requests=99
-        )
-        started = time.monotonic()
-        steps = 0
-        while time.monotonic() - started < 1.5:
-            plan.run(_step(f"new{steps}"))
-            steps += 1
-    finally:
-        client.close()
+    steps = _new_requests_for_a_while(
+        scripted_server,
+        monkeypatch,
+        lambda h, f: scripted_server.reply(protocol.OP_FREE, active_requests=99),
+    )
     assert steps > 20 and scripted_server.ops().count(protocol.OP_CLEAR) > 20
     clearing = lines.messages("clearing it")
     assert len(clearing) == 2, clearing

@@ -752,16 +752,24 @@ def test_apply_refuses_a_tree_with_an_empty_marker_and_keeps_it(
     assert git(filled.tree, "rev-parse", "HEAD") == head
 
 
+def refresh_failed_before_its_marker(syn: Synthetic) -> str:
+    """Amend layer 1's envs.py and refresh it into the checkout, the run
+    failing on a stale ref lock after its files, before its marker; the
+    amended envs.py."""
+    envs = (syn.tree / "vllm/envs.py").read_text().replace("= 7\n", "= 77\n")
+    syn.amend(1, {"vllm/envs.py": envs})
+    lock = syn.tree / ".git/refs/tags/layer-3.lock"
+    lock.write_text("")
+    with pytest.raises(StackError, match="git tag -f layer-3 failed"):
+        refresh(syn.stack(), syn.tree)
+    lock.unlink()
+    return envs
+
+
 def test_refresh_completes_after_a_refresh_that_failed_before_its_marker(
     filled: Synthetic,
 ) -> None:
-    envs = (filled.tree / "vllm/envs.py").read_text().replace("= 7\n", "= 77\n")
-    filled.amend(1, {"vllm/envs.py": envs})
-    lock = filled.tree / ".git/refs/tags/layer-3.lock"  # a stale ref lock
-    lock.write_text("")
-    with pytest.raises(StackError, match="git tag -f layer-3 failed"):
-        refresh(filled.stack(), filled.tree)
-    lock.unlink()
+    envs = refresh_failed_before_its_marker(filled)
     git(filled.root, "commit", "-qam", "what the failed refresh wrote")
     assert refresh(filled.stack(), filled.tree) == []
     filled.apply()
@@ -773,13 +781,7 @@ def test_build_input_is_accepted_once_refresh_completes_one_failed_before_its_ma
 ) -> None:
     """The files were written back, the marker was not: the next refresh
     records the layer as the checkout holds it, so build takes the tree."""
-    envs = (filled.tree / "vllm/envs.py").read_text().replace("= 7\n", "= 77\n")
-    filled.amend(1, {"vllm/envs.py": envs})
-    lock = filled.tree / ".git/refs/tags/layer-3.lock"  # a stale ref lock
-    lock.write_text("")
-    with pytest.raises(StackError, match="git tag -f layer-3 failed"):
-        refresh(filled.stack(), filled.tree)
-    lock.unlink()
+    refresh_failed_before_its_marker(filled)
     assert refresh(filled.stack(), filled.tree) == []
     assert current_marker(filled.stack(), filled.tree)["layers"] == 3
 

@@ -267,24 +267,19 @@ def test_the_baseline_is_not_reused_for_an_interpreter_with_other_packages(
     assert with_it.results == {"tests.test_hub::test_hub": "passed"}
 
 
-def test_a_pristine_run_that_dies_is_refused_and_not_cached(
-    synthetic: Synthetic, tmp_path: Path
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import os\nos.abort()\n",
+        # pytest writes its XML when interrupted too: that is no baseline.
+        "def test_stop():\n    raise KeyboardInterrupt\n",
+    ],
+    ids=["dies", "interrupted"],
+)
+def test_a_pristine_run_that_does_not_finish_is_refused_and_not_cached(
+    synthetic: Synthetic, tmp_path: Path, source: str
 ) -> None:
-    files = dict(UPSTREAM_FILES)
-    files["tests/test_dies.py"] = "import os\nos.abort()\n"
-    site0 = prepare(synthetic, tmp_path, make_sdist(tmp_path / "dies.tar.gz", files))
-    work, out = tmp_path / "work", tmp_path / "out"
-    with pytest.raises(StackError, match="did not run to the end on pristine"):
-        baseline(PYTHON, synthetic.tree, site0, ["tests/test_dies.py"], work, out)
-    assert not list(work.glob("baseline-*.json"))
-
-
-def test_a_pristine_run_that_is_interrupted_is_refused_and_not_cached(
-    synthetic: Synthetic, tmp_path: Path
-) -> None:
-    """pytest writes its XML when interrupted too: that is no baseline."""
-    files = dict(UPSTREAM_FILES)
-    files["tests/test_stop.py"] = "def test_stop():\n    raise KeyboardInterrupt\n"
+    files = dict(UPSTREAM_FILES, **{"tests/test_stop.py": source})
     site0 = prepare(synthetic, tmp_path, make_sdist(tmp_path / "stop.tar.gz", files))
     work, out = tmp_path / "work", tmp_path / "out"
     tests = ["tests/test_stop.py"]

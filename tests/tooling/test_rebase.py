@@ -597,6 +597,30 @@ def cache_sdist(syn: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     return cache
 
 
+def release_2_0(
+    syn: Synthetic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    files: dict[str, str],
+) -> None:
+    """Release 2.0 of ``files`` where `rebase --to 2.0` fetches it: its sdist
+    and a wheel in the cache beside the pinned sdist."""
+    import k3stack.rebase as rebase_mod
+
+    cache = cache_sdist(syn, tmp_path, monkeypatch)
+    sdist = make_sdist(tmp_path / "vllm-2.0.tar.gz", files, top="vllm-2.0")
+    wheel_name = "vllm-2.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    (cache / wheel_name).write_bytes(syn.wheel.read_bytes())
+    monkeypatch.setattr(
+        rebase_mod,
+        "fetch_release",
+        lambda pin, version: (
+            sdist,
+            {"sdist": sdist.name, "wheels": {wheel_name: "http://unused/"}},
+        ),
+    )
+
+
 def test_a_report_path_that_is_a_file_is_refused_in_one_line(
     filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -617,18 +641,11 @@ def test_a_port_that_git_cannot_start_leaves_the_pin_as_it_was(
     import k3stack.rebase as rebase_mod
     from k3stack.pin import load_pin
 
-    cache = cache_sdist(filled, tmp_path, monkeypatch)
-    files = dict(UPSTREAM_FILES, **{"vllm/_version.py": "commit_id = 'g2222222'\n"})
-    sdist = make_sdist(tmp_path / "vllm-2.0.tar.gz", files, top="vllm-2.0")
-    wheel_name = "vllm-2.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-    (cache / wheel_name).write_bytes(filled.wheel.read_bytes())
-    monkeypatch.setattr(
-        rebase_mod,
-        "fetch_release",
-        lambda pin, version: (
-            sdist,
-            {"sdist": sdist.name, "wheels": {wheel_name: "http://unused/"}},
-        ),
+    release_2_0(
+        filled,
+        tmp_path,
+        monkeypatch,
+        dict(UPSTREAM_FILES, **{"vllm/_version.py": "commit_id = 'g2222222'\n"}),
     )
     pin_file = tmp_path / "pin.toml"
     pin_text = (
@@ -701,18 +718,11 @@ def test_port_of_a_release_that_holds_a_layer_changes_neither_tree_nor_pin(
     pin or the tree moves (git would port the layer as an empty commit)."""
     import k3stack.rebase as rebase_mod
 
-    cache = cache_sdist(filled, tmp_path, monkeypatch)
-    files = dict(layer_1_upstream(), **{"vllm/_version.py": "commit_id = 'g2'\n"})
-    sdist = make_sdist(tmp_path / "vllm-2.0.tar.gz", files, top="vllm-2.0")
-    wheel_name = "vllm-2.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-    (cache / wheel_name).write_bytes(filled.wheel.read_bytes())
-    monkeypatch.setattr(
-        rebase_mod,
-        "fetch_release",
-        lambda pin, version: (
-            sdist,
-            {"sdist": sdist.name, "wheels": {wheel_name: "http://unused/"}},
-        ),
+    release_2_0(
+        filled,
+        tmp_path,
+        monkeypatch,
+        dict(layer_1_upstream(), **{"vllm/_version.py": "commit_id = 'g2'\n"}),
     )
     pin_file = tmp_path / "pin.toml"
     pin_file.write_text("as pinned\n")
