@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -560,6 +560,61 @@ def test_the_socket_bound_again_keeps_the_keys_read_at_start_up(tmp_path, change
         assert _answered(address, keys)
         assert transport.socket is not first
         assert served.is_alive()
+
+
+def test_a_failed_bind_past_a_stalled_client_leaves_close_unblocked(monkeypatch):
+    """Another listener takes the port while the server binds again past a
+    stalled client: serve ends with the bind's error, and close() returns
+    (the socket that could not bind is closed, not left open to keep
+    ``context.term()`` waiting)."""
+    port = free_tcp_port()
+    transport = RpcTransport(
+        _LargeReplyServer(), f"tcp://127.0.0.1:{port}", None, reply_send_timeout_s=1.0
+    )
+    transport.bind()
+    failed: list[zmq.ZMQError] = []
+    serve = transport.serve
+
+    def serve_recording(stop: threading.Event, on_serving: Callable[[], None]) -> None:
+        try:
+            serve(stop, on_serving)
+        except zmq.ZMQError as exc:
+            failed.append(exc)
+
+    monkeypatch.setattr(transport, "serve", serve_recording)
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    zmq_bind = zmq.Socket.bind
+
+    def bind_after_the_port_is_taken(self, address):
+        # The old socket releases the port in ZeroMQ's I/O thread.
+        deadline = time.monotonic() + 5
+        while squatter.getsockname()[1] != port:
+            try:
+                squatter.bind(("127.0.0.1", port))
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        squatter.listen()
+        return zmq_bind(self, address)
+
+    context = zmq.Context()
+    client = context.socket(zmq.REQ)
+    client.setsockopt(zmq.LINGER, 0)
+    try:
+        with _serving_past_a_stalled_client(transport) as served:
+            monkeypatch.setattr(zmq.Socket, "bind", bind_after_the_port_is_taken)
+            # Its request makes the server bind again.
+            client.connect(f"tcp://127.0.0.1:{port}")
+            client.send(b"request")
+            served.join(10)
+            assert not served.is_alive()
+            assert [exc.errno for exc in failed] == [zmq.EADDRINUSE]
+    finally:
+        client.close()
+        context.term()
+        squatter.close()
 
 
 def test_a_stopped_server_removes_the_directory_of_its_ipc_wildcard():
