@@ -92,6 +92,35 @@ def test_remote_variables_do_not_change_compile_factors(monkeypatch):
     assert envs.compile_factors() == before
 
 
+def test_the_lowest_allowed_values_are_accepted(monkeypatch):
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", "1")
+    monkeypatch.setenv("VLLM_K3_DSPARK_REMOTE_TIMEOUT_MS", "1")
+    monkeypatch.setenv("VLLM_K3_DRAFT_TIMING_LOG_INTERVAL", "0")
+    assert envs.VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS == 1
+    assert envs.VLLM_K3_DSPARK_REMOTE_TIMEOUT_MS == 1
+    assert envs.VLLM_K3_DRAFT_TIMING_LOG_INTERVAL == 0
+
+
+VALUES = {
+    "VLLM_K3_DRAFT_REMOTE_ADDRESS": "tcp://127.0.0.1:5555",
+    "VLLM_K3_DSPARK_REMOTE_ADDRESS": "ipc:///tmp/k3-draft",
+    "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "100",
+    "VLLM_K3_DSPARK_REMOTE_TIMEOUT_MS": "200",
+    "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL": "10",
+    "VLLM_K3_DRAFT_CURVE_SERVER_KEY": "/keys/server.key",
+    "VLLM_K3_DRAFT_CURVE_CLIENT_KEY": "/keys/client.key_secret",
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_remote_variable_changes_compile_factors(monkeypatch, name):
+    """Where the draft server is, how long to wait and its keys leave the
+    torch.compile cache key alone: a moved server recompiles nothing."""
+    before = envs.compile_factors()
+    monkeypatch.setenv(name, VALUES[name])
+    assert envs.compile_factors() == before
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_remote_variable_passes_vllms_environment_validation(monkeypatch, name):
     """``vllm serve`` warns about every VLLM_* variable that ``vllm.envs``
