@@ -176,6 +176,15 @@ def test_a_deferred_reply_lowers_the_switch_interval(
     assert sys.getswitchinterval() == pytest.approx(100e-6)
 
 
+def test_by_default_a_deferred_reply_lowers_the_switch_interval_to_50_us(
+    make_speculator, scripted_server, monkeypatch, switch_interval
+):
+    monkeypatch.delenv("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", raising=False)
+    speculator, _ = make_speculator(scripted_server.address)
+    _defer_one_step(speculator)
+    assert sys.getswitchinterval() == pytest.approx(50e-6)
+
+
 def test_switch_interval_is_kept_until_a_reply_is_deferred(
     make_speculator, scripted_server, monkeypatch, switch_interval
 ):
