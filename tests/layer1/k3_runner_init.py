@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The real ``GPUModelRunner.__init__`` on CPU (layers 1 and 3): what needs
-a CUDA driver is replaced, nothing else. The UVA buffers of its request
-state live in host memory (as in ``test_request_state_exposes_the_host_token
-_table``) and its output-copy stream is inert."""
+"""The real ``GPUModelRunner.__init__`` and ``load_model`` on CPU (layers 1
+to 3): what needs a CUDA driver is replaced, nothing else. The UVA buffers
+of its request state live in host memory (as in
+``test_request_state_exposes_the_host_token_table``), its output-copy stream
+is inert, and ``load_model`` is given a target without weights and measures
+no device memory."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import pytest
 import torch
 
 from vllm.config import set_current_vllm_config
-from vllm.v1.worker.gpu import buffer_utils
+from vllm.model_executor.models.interfaces import SupportsEagle3
+from vllm.v1.worker.gpu import buffer_utils, model_runner
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 
@@ -33,6 +36,27 @@ class InertStream:
         pass
 
 
+class WeightlessTarget(torch.nn.Module, SupportsEagle3):
+    """A target model as far as ``load_model`` looks at one: DFlash reads the
+    aux hidden states of its layers."""
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.aux_layers = layers
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return (0, 1, 2)
+
+
+class NoDeviceMemory:
+    consumed_memory = 0
+
+    def __enter__(self) -> NoDeviceMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def build_runner(config: Any, monkeypatch: pytest.MonkeyPatch) -> GPUModelRunner:
     """``GPUModelRunner(config)`` on CPU (vLLM's distributed state, e.g.
     ``conftest_client``'s ``tp_world``, must exist). Close a remote
@@ -48,3 +72,13 @@ def close_runner(runner: GPUModelRunner) -> None:
     plan = getattr(runner.speculator, "plan", None)
     if plan is not None:
         plan.client.close()
+
+
+def load_runner(
+    runner: GPUModelRunner, config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``runner.load_model`` with a ``WeightlessTarget``: the sampler and what
+    the runner builds around the model exist afterwards."""
+    monkeypatch.setattr(model_runner, "DeviceMemoryProfiler", NoDeviceMemory)
+    with set_current_vllm_config(config):
+        runner.load_model(model=WeightlessTarget())
