@@ -142,6 +142,22 @@ def test_switch_zero_keeps_the_synchronous_path(
     assert type(speculator.resolution) is ImmediateResolution
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("VLLM_K3_DRAFT_DEFERRED_RESOLVE", "0"),
+        ("VLLM_K3_DRAFT_REPLY_SWITCH_INTERVAL_US", "100"),
+    ],
+)
+def test_the_deferral_variables_do_not_change_compile_factors(monkeypatch, name, value):
+    """When the reply is resolved, and the switch interval, are host-side:
+    no torch.compile cache key depends on them."""
+    monkeypatch.delenv(name, raising=False)
+    before = envs.compile_factors()
+    monkeypatch.setenv(name, value)
+    assert envs.compile_factors() == before
+
+
 def test_switch_other_than_0_or_1_is_refused(monkeypatch):
     monkeypatch.setenv("VLLM_K3_DRAFT_DEFERRED_RESOLVE", "2")
     with pytest.raises(ValueError, match="VLLM_K3_DRAFT_DEFERRED_RESOLVE"):
