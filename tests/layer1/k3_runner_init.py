@@ -2,10 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The real ``GPUModelRunner.__init__`` and ``load_model`` on CPU (layers 1
 to 3): what needs a CUDA driver is replaced, nothing else. The UVA buffers
-of its request state live in host memory (as in
-``test_request_state_exposes_the_host_token_table``), its output-copy stream
-is inert, and ``load_model`` is given a target without weights and measures
-no device memory."""
+of its request state live in host memory (``HostUvaBuffer``), its
+output-copy stream is inert, and ``load_model`` is given a target without
+weights and measures no device memory."""
 
 from __future__ import annotations
 

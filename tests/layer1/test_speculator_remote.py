@@ -630,16 +630,10 @@ def test_empty_draft_slots_are_hidden_from_the_embedding_until_sampling(
 def test_request_state_exposes_the_host_token_table(monkeypatch):
     """The states.py hook: ``all_token_ids_cpu`` is the UVA buffer's host side
     (UVA itself is faked: it needs a CUDA driver)."""
+    from k3_runner_init import HostUvaBuffer
+
     from vllm.v1.worker.gpu import buffer_utils
     from vllm.v1.worker.gpu.states import RequestState
-
-    class HostUvaBuffer:
-        def __init__(self, size, dtype):
-            self.cpu = torch.zeros(size, dtype=dtype)
-            self.np = self.cpu.numpy()
-
-        def uva(self, n=None):
-            return self.cpu[:n] if n is not None else self.cpu
 
     monkeypatch.setattr(buffer_utils, "UvaBuffer", HostUvaBuffer)
     monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: True)
