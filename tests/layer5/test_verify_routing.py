@@ -175,6 +175,19 @@ def test_switch_off_and_batch_invariance_keep_the_upstream_path(
     assert make_builder(model_dir, monkeypatch).k3_verify is None
 
 
+def test_the_switch_does_not_change_compile_factors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel the attention op runs for verify rows is not traced: turning
+    the fused path off recompiles nothing."""
+    from vllm import envs
+
+    monkeypatch.delenv("VLLM_K3_FUSED_MLA_VERIFY", raising=False)
+    before = envs.compile_factors()
+    monkeypatch.setenv("VLLM_K3_FUSED_MLA_VERIFY", "0")
+    assert envs.compile_factors() == before
+
+
 def test_a_malformed_switch_is_refused(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
