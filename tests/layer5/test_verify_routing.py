@@ -76,6 +76,15 @@ def test_step_page_table_narrower_than_its_kv_is_refused(
         builder.build(0, make_common([100, 100], [4, 4], 16, pages=6))
 
 
+def test_step_whose_kv_fills_its_page_table_exactly_is_routed(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 96 tokens of 16-token pages fill the step's 6 pages.
+    builder = make_builder(model_dir, monkeypatch)
+    meta = builder.build(0, make_common([96, 96], [4, 4], 16, pages=6))
+    assert meta.decode.verify_plan is not None
+
+
 def test_step_page_table_narrower_than_its_rank_local_kv_is_refused(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
