@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -234,6 +235,29 @@ def test_an_outage_whose_first_failure_was_left_out_is_resumed_from_once(
     assert len(lines.messages("Remote draft unavailable")) == 1
     assert len(lines.messages("Draft PROPOSE failed")) == 1
     assert len(lines.messages(RESUMED)) == 2, lines.messages()
+
+
+def test_a_propose_that_times_out_is_logged_as_a_failed_propose(scripted_server, lines):
+    """The warning names the call that timed out, as it does for an error
+    reply: an operator tells a slow PROPOSE from a failed FREE or RECONNECT."""
+    client = DraftClient(scripted_server.address, timeout_ms=300)
+    plan = RemotePlan(client, NEEDS, retry_interval_s=0.0)
+    answered = threading.Event()
+
+    def slow(header, frames):
+        time.sleep(0.5)
+        answered.set()
+        return scripted_server.default(header, frames)
+
+    try:
+        plan.connect()
+        scripted_server.handlers[protocol.OP_PROPOSE] = slow
+        assert (plan.run(_step("a")).tokens == -1).all()
+        assert answered.wait(5)
+    finally:
+        client.close()
+    (failed,) = lines.messages("Draft PROPOSE failed")
+    assert f"PROPOSE to the draft server {scripted_server.address}" in failed, failed
 
 
 def test_each_failure_line_counts_only_the_failures_left_out_since_the_last():
