@@ -325,8 +325,13 @@ class DraftClient:
 
     def _failed(self, op: str, exc: zmq.ZMQError) -> TransportError:
         """The error of a failed round trip, after renewing the socket (a REQ
-        socket cannot send again until it has received)."""
+        socket cannot send again until it has received); a timeout says so."""
         self._renew()
+        if isinstance(exc, zmq.Again):
+            return TransportError(
+                f"{op} to the draft server {self.address} timed out after "
+                f"{self.timeout_ms} ms"
+            )
         return TransportError(f"{op} to the draft server {self.address} failed: {exc}")
 
     def call(
