@@ -421,10 +421,7 @@ def finish_write_back(root: Path) -> list[str]:
     were (`git checkout`: the tree still holds the layers), just goes;
     ``StackError`` if a file was changed otherwise since."""
     changed: list[str] = []
-    work = root / ".work"
-    for staging in sorted(work.glob(f"{glob.escape(STAGING_PREFIX)}*")):
-        if staging.is_symlink() or not staging.is_dir():
-            continue
+    for staging in _staging_folders(root):
         try:
             lock = lock_folder(staging)
         except BlockingIOError:
@@ -442,10 +439,10 @@ def refuse_stopped_refresh(root: Path, command: str) -> None:
     """``StackError`` if a refresh stopped (or running) after it began moving
     files into the checkout at ``root`` has not put every file in place: the
     series there may mix new and old patches and overlay files."""
-    for staging in sorted((root / ".work").glob(f"{glob.escape(STAGING_PREFIX)}*")):
-        if staging.is_symlink() or not (staging / JOURNAL).is_file():
+    for staging in _staging_folders(root):
+        if not (staging / JOURNAL).is_file():
             continue
-        journal = json.loads((staging / JOURNAL).read_text())["files"]
+        journal = _read_journal(staging)["files"]
         if all(_sha(root / rel) == after for rel, _, _, after in journal):
             continue  # every file moved; only the folder's removal was left
         try:
@@ -461,8 +458,18 @@ def refuse_stopped_refresh(root: Path, command: str) -> None:
         )
 
 
+def _staging_folders(root: Path) -> list[Path]:
+    """The refresh staging folders in the checkout at ``root``."""
+    found = (root / ".work").glob(f"{glob.escape(STAGING_PREFIX)}*")
+    return sorted(p for p in found if p.is_dir() and not p.is_symlink())
+
+
+def _read_journal(staging: Path) -> dict:
+    return json.loads((staging / JOURNAL).read_text())
+
+
 def _finish(root: Path, staging: Path) -> list[str]:
-    fields = json.loads((staging / JOURNAL).read_text())
+    fields = _read_journal(staging)
     journal = fields["files"]
     now = {rel: _sha(root / rel) for rel, *_ in journal}
     unfinished = [

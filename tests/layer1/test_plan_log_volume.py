@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 import torch
 from k3_layer1_server import RawClient, free_tcp_port
+from test_plan_fail_closed import NEEDS
 from toy_target import ToyTarget, VerifierLoop
 
 from vllm.k3_draft import plan as plan_module
 from vllm.k3_draft import protocol
-from vllm.k3_draft.client import DraftClient, ServerRequirements
+from vllm.k3_draft.client import DraftClient
 from vllm.k3_draft.plan import RemotePlan, StepInputs, StepRequest
 
 pytest_plugins = ("conftest_client",)
@@ -129,18 +130,6 @@ def test_drafting_that_resumes_after_an_outage_is_said_once(
     assert logged[-1] == resumed
     _keep_running(loop, 30)
     assert lines.messages()[-1] == resumed
-
-
-NEEDS = ServerRequirements(
-    method="dflash",
-    capabilities=frozenset(),
-    context_width=192,
-    vocab_size=1024,
-    max_model_len=4096,
-    max_num_seqs=8,
-    num_speculative_tokens=K,
-    max_num_batched_tokens=512,
-)
 
 
 def _step(rid: str) -> StepInputs:

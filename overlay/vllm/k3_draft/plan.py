@@ -245,12 +245,12 @@ class _Retained:
 
 
 class FailureLog:
-    """What the plan logs about failures over a long run. A failure that no
-    backoff paces (the next step retries at once, so a fault that lets every
-    other step through would otherwise log at the step rate) is logged at
-    most once per ``interval_s`` for each kind, its next line counting those
-    left out. Once drafts are proposed again after a failure was logged, one
-    line says so."""
+    """What the plan (and deferred resolution) logs about failures over a
+    long run. A failure that no backoff paces (the next step retries at once,
+    so a fault that lets every other step through would otherwise log at the
+    step rate) is logged at most once per ``interval_s`` for each kind, its
+    next line counting those left out. Once drafts are proposed again after a
+    failure was logged, one line says so."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
