@@ -55,9 +55,14 @@ SETTLED_PLUGIN_DIR = Path(__file__).parent / "pytest_plugins"
 SETTLED_ENV = "K3_QUALIFY_SETTLED"
 # Our own suites run on two pytest-xdist workers: their tests wait on server
 # processes and sockets much of the time (layer 1's suite in CI on the 2-core
-# build box: 252 s in one process, 133-152 s on two). Upstream's tests run in
-# one process, as upstream's CI runs them.
+# build box: 252 s in one process, 133-152 s on two). Each worker's torch runs
+# one intra-op thread: OpenMP threads that spin after each parallel region
+# take the cores from the other worker's server round trips
+# (tests/layer1/test_loop_real_scheduler.py on two workers: 98 s with torch's
+# default threads, 28 s with one). Upstream's tests run in one process, in the
+# caller's environment, as upstream's CI runs them.
 SUITE_WORKERS = ["-n", "2"]
+SUITE_ENV = {"OMP_NUM_THREADS": "1"}
 # pytest's exit codes for a run that went to the end (with or without failures),
 # and for one that had nothing to run (every test deselected).
 COMPLETED = (0, 1)
@@ -172,15 +177,18 @@ def run_pytest(
     targets: list[str],
     junit: Path,
     settled: Path | None = None,
-    workers: list[str] | None = None,
+    own_suite: bool = False,
 ) -> tuple[int, Outcomes]:
     """pytest's exit code and the outcomes it wrote to ``junit`` (none when it
     wrote none: an XML from an earlier run is removed first). ``settled``: a
-    JSON list of test ids (JUnit form) to deselect; ``workers``: pytest-xdist
-    options (``SUITE_WORKERS``), none for one process."""
+    JSON list of test ids (JUnit form) to deselect; ``own_suite``: our tests,
+    run on ``SUITE_WORKERS`` with ``SUITE_ENV`` (otherwise one process)."""
     env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(site)}
     junit.unlink(missing_ok=True)
-    cmd = [python, "-m", "pytest", *pytest_args(junit), *(workers or [])]
+    cmd = [python, "-m", "pytest", *pytest_args(junit)]
+    if own_suite:
+        env.update(SUITE_ENV)
+        cmd += SUITE_WORKERS
     if settled is not None:
         env["PYTHONPATH"] += os.pathsep + str(SETTLED_PLUGIN_DIR)
         env[SETTLED_ENV] = str(settled)
@@ -576,7 +584,7 @@ def qualify_layer(
     if suite:
         junit = out / f"layer-{n}-focused.xml"
         code, focused = run_pytest(
-            python, stack.root, site, suite, junit, workers=SUITE_WORKERS
+            python, stack.root, site, suite, junit, own_suite=True
         )
         junits.append(junit)
         judge_suite(row, code, focused, may_be_empty=empty)
@@ -756,7 +764,7 @@ def qualify_command(stack: Stack, pin: Pin, args: argparse.Namespace) -> None:
         stack.root / "build",
         ["tests/tooling"],
         out / "tooling.xml",
-        workers=SUITE_WORKERS,
+        own_suite=True,
     )
     judge_suite(rows[0], code, tooling)
 
@@ -810,9 +818,7 @@ def lower_suites_on_top(
         return row
     print(f"qualify: suites of layers 1..{upto - 1} on the 1..{upto} install")
     junit = out / f"lower-suites-on-{upto}.xml"
-    code, outcomes = run_pytest(
-        python, stack.root, site, suites, junit, workers=SUITE_WORKERS
-    )
+    code, outcomes = run_pytest(python, stack.root, site, suites, junit, own_suite=True)
     row.imports = "ok"
     judge_suite(row, code, outcomes)
     return row

@@ -342,6 +342,34 @@ def test_an_import_that_ends_the_process_after_printing_is_reported(
     ]
 
 
+ONE_THREAD = (
+    "import os\n\n\ndef test_threads():\n"
+    "    assert os.environ['OMP_NUM_THREADS'] == '1'\n"
+)
+
+
+def test_a_layer_suite_runs_torch_on_one_thread_per_worker(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spinning OpenMP threads of one worker would starve the other's server
+    round trips on a small machine."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    site0 = prepare(filled, tmp_path)
+    (filled.root / "tests/layer3/test_layer3.py").write_text(ONE_THREAD)
+    row = qualify_layer_3(filled, tmp_path, site0)
+    assert row.ok, row.notes
+    assert row.focused == "1 passed, 0 failed"
+
+
+def test_upstream_tests_run_in_the_callers_thread_setting(
+    filled: Synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    test = ONE_THREAD.replace("test_threads", "test_new").replace("'1'", "'4'")
+    row = layer_3_row_with_upstream_test(filled, tmp_path, test)
+    assert row.ok, row.notes
+
+
 def test_a_skipped_test_of_our_own_suites_fails_its_row() -> None:
     row = Row("3")
     outcomes = Outcomes({"t.a::one": "passed", "t.b::two": "skipped"})
