@@ -454,6 +454,8 @@ def _serving_past_a_stalled_client(
     finally:
         os.kill(stalled.pid, signal.SIGKILL)
         stalled.wait()
+        if stalled.stdout is not None:
+            stalled.stdout.close()
         stop.set()
         served.join(10)
         # Bounded: a socket left open keeps close()'s context.term() waiting.
