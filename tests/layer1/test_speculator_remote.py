@@ -408,6 +408,7 @@ class _Forwarder:
         self.backend_port = backend_port
         self.listener = socket.create_server(("127.0.0.1", free_tcp_port()))
         self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -421,6 +422,7 @@ class _Forwarder:
             except OSError:
                 client.close()
                 continue
+            self.connections += (client, backend)
             for source, sink in ((client, backend), (backend, client)):
                 threading.Thread(
                     target=self._pump, args=(source, sink), daemon=True
@@ -439,6 +441,10 @@ class _Forwarder:
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
+        for connection in self.connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
 
 
 def test_a_curve_server_still_loading_behind_a_forwarder_is_waited_for(
