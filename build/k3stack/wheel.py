@@ -140,7 +140,16 @@ class ZipWriter:
         csv.writer(text, lineterminator="\n").writerows([*rows, [name, "", ""]])
         self.add_bytes(name, text.getvalue().encode())
 
+    def __enter__(self) -> ZipWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Closes the file; a zip left unfinished by an error stays without
+        its central directory."""
+        self.out.close()
+
     def close(self) -> None:
+        """Writes the central directory and closes the file."""
         start = self.out.tell()
         for entry in self.central:
             self.out.write(entry)
@@ -205,10 +214,9 @@ def build_wheel(
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / wheel_name(upstream.name, local_version)
     partial = target.with_name(target.name + ".part")
-    writer = ZipWriter(partial)
     record: list[list[str]] = []
     present = set()
-    with upstream.open("rb") as source:
+    with ZipWriter(partial) as writer, upstream.open("rb") as source:
         for info in infos:
             name = info.filename
             if name.startswith(dist_info + "/") or name.endswith("/"):
@@ -229,15 +237,15 @@ def build_wheel(
             if name not in records:
                 raise StackError(f"{name} is missing from the upstream RECORD")
             record.append(records[name])
-    for name in sorted(set(changes.files) - present):
-        data = changes.files[name]
-        writer.add_bytes(name, data)
-        record.append([name, record_hash(data), str(len(data))])
-    for meta, data in sorted(meta_files.items()):
-        path = f"{new_dist_info}/{meta}"
-        writer.add_bytes(path, data)
-        record.append([path, record_hash(data), str(len(data))])
-    writer.add_record(f"{new_dist_info}/RECORD", record)
-    writer.close()
+        for name in sorted(set(changes.files) - present):
+            data = changes.files[name]
+            writer.add_bytes(name, data)
+            record.append([name, record_hash(data), str(len(data))])
+        for meta, data in sorted(meta_files.items()):
+            path = f"{new_dist_info}/{meta}"
+            writer.add_bytes(path, data)
+            record.append([path, record_hash(data), str(len(data))])
+        writer.add_record(f"{new_dist_info}/RECORD", record)
+        writer.close()
     partial.replace(target)
     return target

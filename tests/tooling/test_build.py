@@ -301,7 +301,10 @@ def test_a_failed_build_keeps_the_previous_build_whole(
     assert sorted(os.listdir(dist)) == sorted({p.split("/")[0] for p in before})
 
 
-def test_a_wheel_that_fails_midway_leaves_no_partial_file(
+@pytest.mark.filterwarnings(
+    "error::ResourceWarning", "error::pytest.PytestUnraisableExceptionWarning"
+)
+def test_a_wheel_that_fails_midway_leaves_no_partial_file_and_no_open_file(
     filled: Synthetic, tmp_path: Path
 ) -> None:
     filled.apply()
