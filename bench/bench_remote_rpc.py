@@ -24,10 +24,16 @@ engine time of that iteration before replying: its round trip minus that hold
 computes as long as the engine, so what an idle wait costs both sides (threads
 and cores waking up after it) is not counted against the protocol.
 
+``--curve`` runs both over CurveZMQ, as any bind beyond loopback must: the
+draft server with a fresh server certificate and one authorized client's
+(its ZAP authenticator included), the raw echo with the same server key, the
+client with the client's. The raw round trip is then CurveZMQ's own floor for
+the same bytes (ZeroMQ encrypts and decrypts every frame in its I/O threads).
+
 Usage::
 
     python bench/bench_remote_rpc.py --iters 2000 --out rpc.json [--device cuda]
-        [--server-busy-poll-us N]
+        [--server-busy-poll-us N] [--curve]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+import zmq.auth
 from cli_types import (
     device,
     int_at_most,
@@ -74,12 +82,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def raw_echo(address: str) -> None:
+def raw_echo(address: str, curve_key_file: str | None) -> None:
     """Serve raw REP: reply with as many zero bytes as the first 8 bytes of
     the last frame say (so the client controls the reply size), after
-    spinning for as many nanoseconds as its next 8 bytes say (the hold)."""
+    spinning for as many nanoseconds as its next 8 bytes say (the hold).
+    ``curve_key_file``: serve CurveZMQ with that server certificate."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REP)
+    if curve_key_file:
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(
+            curve_key_file
+        )
+        sock.curve_server = True
     sock.bind(address)
     replies: dict[int, bytes] = {}
     while True:
@@ -112,6 +126,37 @@ SMALL_MODEL = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2"]
 SMALL_MODEL += ["--window-size", "64"]
 
 
+class CurveKeys:
+    """A fresh CurveZMQ server certificate and one authorized client's under
+    ``directory``, as the draft server's flags take them."""
+
+    def __init__(self, directory: str) -> None:
+        authorized = os.path.join(directory, "authorized")
+        os.mkdir(authorized)
+        server_public, self.server_secret_file = zmq.auth.create_certificates(
+            directory, "server"
+        )
+        client_public, client_secret = zmq.auth.create_certificates(directory, "client")
+        # The server refuses secret files other users can read.
+        for path in (self.server_secret_file, client_secret):
+            os.chmod(path, 0o600)
+        shutil.copy(client_public, authorized)
+        self.server_flags = [
+            *("--curve-secret-key", self.server_secret_file),
+            *("--curve-authorized-keys", authorized),
+        ]
+        self.server_public, _ = zmq.auth.load_certificate(server_public)
+        self.client_public, self.client_secret = zmq.auth.load_certificate(
+            client_secret
+        )
+
+    def connect_as_client(self, sock: zmq.Socket) -> None:
+        """Set ``sock`` (not yet connected) to connect as the client."""
+        sock.curve_publickey = self.client_public
+        sock.curve_secretkey = self.client_secret
+        sock.curve_serverkey = self.server_public
+
+
 def reference_engine(model: list[str] = SMALL_MODEL) -> list[str]:
     """Server flags of the reference engine at this benchmark's context
     width, with ``model``'s flags."""
@@ -126,9 +171,10 @@ def start_server(
     engine: list[str] | None = None,
     max_k: int = K,
     busy_poll_us: int = 0,
+    curve: CurveKeys | None = None,
 ) -> subprocess.Popen:
     """A draft server process, ready: ``engine``'s flags, by default those
-    of ``reference_engine()``."""
+    of ``reference_engine()``; with ``curve``, serving CurveZMQ."""
     command = [
         *(sys.executable, "-m", "vllm.entrypoints.k3_dspark_standalone"),
         *(engine or reference_engine()),
@@ -138,6 +184,7 @@ def start_server(
         *("--max-speculative-tokens", str(max_k), "--max-context-tokens", "64"),
         *("--max-model-len", str(1 << 20)),
         *("--busy-poll-us", str(busy_poll_us)),
+        *(curve.server_flags if curve else ()),
     ]
     if args.enable_cuda_graph:
         command.append("--enable-cuda-graph")
@@ -196,11 +243,15 @@ class Case:
         ]
 
 
-def connect(ctx: zmq.Context, address: str, timeout_s: float) -> zmq.Socket:
-    """A REQ socket to ``address`` whose sends and receives give up after
-    ``timeout_s`` with ``zmq.Again``: a process that stopped answering ends
-    the run instead of hanging it."""
+def connect(
+    ctx: zmq.Context, address: str, timeout_s: float, curve: CurveKeys | None = None
+) -> zmq.Socket:
+    """A REQ socket to ``address`` (with ``curve``: as its client) whose
+    sends and receives give up after ``timeout_s`` with ``zmq.Again``: a
+    process that stopped answering ends the run instead of hanging it."""
     sock = ctx.socket(zmq.REQ)
+    if curve:
+        curve.connect_as_client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1e3))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1e3))
@@ -293,6 +344,11 @@ def main() -> None:
         help="the server's busy poll after each reply (microseconds)",
     )
     parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="the draft server and the raw echo over CurveZMQ",
+    )
+    parser.add_argument(
         "--out", type=output_file, help="write the results as JSON here"
     )
     parser.add_argument(
@@ -303,30 +359,39 @@ def main() -> None:
         "for this long (default: %(default)s)",
     )
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-echo-curve-key", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.enable_cuda_graph and not args.device.startswith("cuda"):
         parser.error("--enable-cuda-graph needs a CUDA --device")
     if args.raw_echo:
         # The benchmark stops it with SIGTERM: no line of its own.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raw_echo(args.raw_echo)
+        raw_echo(args.raw_echo, args.raw_echo_curve_key)
         return
     server_address = f"tcp://127.0.0.1:{free_port()}"
     raw_address = f"tcp://127.0.0.1:{free_port()}"
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
+    keys_dir = tempfile.TemporaryDirectory()  # noqa: SIM115 (removed at exit)
+    curve = CurveKeys(keys_dir.name) if args.curve else None
+    echo_command = [sys.executable, __file__, "--raw-echo", raw_address]
+    if curve:
+        echo_command += ["--raw-echo-curve-key", curve.server_secret_file]
     # Its own session: a Ctrl-C while it imports would print its traceback;
     # this process stops it on every way out.
-    echo = popen(
-        [sys.executable, __file__, "--raw-echo", raw_address], start_new_session=True
-    )
+    echo = popen(echo_command, start_new_session=True)
     proc = start_server(
-        args, server_address, free_port(), log, busy_poll_us=args.server_busy_poll_us
+        args,
+        server_address,
+        free_port(),
+        log,
+        busy_poll_us=args.server_busy_poll_us,
+        curve=curve,
     )
     ctx = zmq.Context()
     sockets = []
     try:
         for address in (server_address, raw_address):
-            sockets.append(connect(ctx, address, args.reply_timeout_s))
+            sockets.append(connect(ctx, address, args.reply_timeout_s, curve))
         server, raw = sockets
         ping = protocol.encode_header(protocol.request_header(protocol.OP_PING))
         results = [measure(args, server, raw, "ping", lambda: [ping])]
@@ -367,6 +432,7 @@ def main() -> None:
             "device": args.device,
             "cuda_graph": args.enable_cuda_graph,
             "server_busy_poll_us": args.server_busy_poll_us,
+            "curve": args.curve,
             "iters": args.iters,
         }
         with open(args.out, "w") as out:

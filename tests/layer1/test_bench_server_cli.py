@@ -70,6 +70,22 @@ def test_the_gpu_benchmark_refuses_what_it_cannot_honour_at_once(args, error):
     assert error in result.stderr.splitlines()[-1]
 
 
+def test_a_curve_run_measures_the_server_and_the_raw_echo_over_curve(tmp_path):
+    """A peer of the other mechanism never completes ZeroMQ's handshake: a run
+    that gets every answer had the draft server and the raw echo on CURVE."""
+    out = tmp_path / "out.json"
+    result = _run(
+        "bench_remote_rpc.py",
+        *("--curve", "--iters", "2", "--warmup", "0"),
+        *("--reply-timeout-s", "20", "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["meta"]["curve"] is True
+    cases = ["ping", "propose b1", "propose b8"]
+    assert [case["case"] for case in report["results"]] == cases
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the server refuses no CUDA")
 def test_the_draft_servers_refusal_is_one_line_and_exit_1(tmp_path):
     out = tmp_path / "out.json"
