@@ -31,6 +31,10 @@ N context rows of W bf16 values per request with the anchors advancing by
 N, as the verifier's decode steps do (N >= 1: each step sends its accepted
 tokens' rows; Kimi DFlash W = 3 x 7168); the default, no rows, is a
 PROPOSE no decode step sends.
+``--curve`` runs the server and the client over CurveZMQ (fresh
+certificates, the server's ZAP authenticator), as any bind beyond loopback
+must: ZeroMQ then encrypts and decrypts every frame, the rows and the logits
+included.
 
 Acceptance: the acceptance rate a verifier loses by sampling drafts from the
 top-k slice, computed exactly from synthetic draft distributions q (peaked
@@ -40,7 +44,7 @@ is q renormalised on its top k tokens.
 
 Usage::
 
-    python bench/bench_draft_logits.py --iters 200 --out logits.json
+    python bench/bench_draft_logits.py --iters 200 --out logits.json [--curve]
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from cli_types import (
     refusal,
     run,
 )
+from curve_certificates import CurveCertificates
 
 from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft import protocol
@@ -102,6 +107,7 @@ def start_server(
     busy_poll_us: int,
     context_width: int = 8,
     context_rows: int = 0,
+    curve: CurveCertificates | None = None,
 ) -> subprocess.Popen:
     command = [
         sys.executable,
@@ -116,6 +122,7 @@ def start_server(
         *("--busy-poll-us", str(busy_poll_us)),
         *("--context-width", str(context_width)),
         *("--max-context-tokens", str(max(16, context_rows * max(BATCHES)))),
+        *(curve.server_flags if curve else ()),
     ]
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -371,22 +378,30 @@ def main() -> None:
         default=8,
         help="bf16 values per context row (Kimi DFlash: 3 x 7168 = 21504)",
     )
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="over CurveZMQ, as any bind beyond loopback must be",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     table = torch.randn(max(BATCHES), K, VOCAB, generator=generator).bfloat16()
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    with tempfile.NamedTemporaryFile(suffix=".pt") as table_file:
-        torch.save(table, table_file.name)
+    with tempfile.TemporaryDirectory() as scratch:
+        curve = CurveCertificates(scratch) if args.curve else None
+        table_file = os.path.join(scratch, "table.pt")
+        torch.save(table, table_file)
         server = start_server(
-            table_file.name,
+            table_file,
             address,
             args.device,
             args.server_busy_poll_us,
             args.context_width,
             args.context_rows,
+            curve,
         )
-    client = DraftClient(address, 60_000)
+    client = DraftClient(address, 60_000, curve.client_keys if curve else None)
     try:
         cases = [
             Case(
@@ -444,6 +459,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "device": args.device,
             "server_busy_poll_us": args.server_busy_poll_us,
+            "curve": args.curve,
             "iters": args.iters,
             "vocab": VOCAB,
             "k": K,

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -66,6 +65,7 @@ from cli_types import (
     refusal,
     run,
 )
+from curve_certificates import CurveCertificates
 
 from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft import protocol
@@ -126,37 +126,6 @@ SMALL_MODEL = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2"]
 SMALL_MODEL += ["--window-size", "64"]
 
 
-class CurveKeys:
-    """A fresh CurveZMQ server certificate and one authorized client's under
-    ``directory``, as the draft server's flags take them."""
-
-    def __init__(self, directory: str) -> None:
-        authorized = os.path.join(directory, "authorized")
-        os.mkdir(authorized)
-        server_public, self.server_secret_file = zmq.auth.create_certificates(
-            directory, "server"
-        )
-        client_public, client_secret = zmq.auth.create_certificates(directory, "client")
-        # The server refuses secret files other users can read.
-        for path in (self.server_secret_file, client_secret):
-            os.chmod(path, 0o600)
-        shutil.copy(client_public, authorized)
-        self.server_flags = [
-            *("--curve-secret-key", self.server_secret_file),
-            *("--curve-authorized-keys", authorized),
-        ]
-        self.server_public, _ = zmq.auth.load_certificate(server_public)
-        self.client_public, self.client_secret = zmq.auth.load_certificate(
-            client_secret
-        )
-
-    def connect_as_client(self, sock: zmq.Socket) -> None:
-        """Set ``sock`` (not yet connected) to connect as the client."""
-        sock.curve_publickey = self.client_public
-        sock.curve_secretkey = self.client_secret
-        sock.curve_serverkey = self.server_public
-
-
 def reference_engine(model: list[str] = SMALL_MODEL) -> list[str]:
     """Server flags of the reference engine at this benchmark's context
     width, with ``model``'s flags."""
@@ -171,7 +140,7 @@ def start_server(
     engine: list[str] | None = None,
     max_k: int = K,
     busy_poll_us: int = 0,
-    curve: CurveKeys | None = None,
+    curve: CurveCertificates | None = None,
 ) -> subprocess.Popen:
     """A draft server process, ready: ``engine``'s flags, by default those
     of ``reference_engine()``; with ``curve``, serving CurveZMQ."""
@@ -244,7 +213,10 @@ class Case:
 
 
 def connect(
-    ctx: zmq.Context, address: str, timeout_s: float, curve: CurveKeys | None = None
+    ctx: zmq.Context,
+    address: str,
+    timeout_s: float,
+    curve: CurveCertificates | None = None,
 ) -> zmq.Socket:
     """A REQ socket to ``address`` (with ``curve``: as its client) whose
     sends and receives give up after ``timeout_s`` with ``zmq.Again``: a
@@ -372,7 +344,7 @@ def main() -> None:
     raw_address = f"tcp://127.0.0.1:{free_port()}"
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
     keys_dir = tempfile.TemporaryDirectory()  # noqa: SIM115 (removed at exit)
-    curve = CurveKeys(keys_dir.name) if args.curve else None
+    curve = CurveCertificates(keys_dir.name) if args.curve else None
     echo_command = [sys.executable, __file__, "--raw-echo", raw_address]
     if curve:
         echo_command += ["--raw-echo-curve-key", curve.server_secret_file]

@@ -32,6 +32,7 @@ from vllm.k3_draft.engine import (
     StepTimer,
 )
 from vllm.k3_draft.protocol import load_capability_plugins
+from vllm.k3_draft.security import CurveConfig
 from vllm.k3_draft.server import DraftServer
 
 CONTEXT_WIDTH = 8
@@ -135,11 +136,12 @@ class LoopbackServer:
         engine: DraftEngine,
         address: str = "tcp://127.0.0.1:*",
         busy_poll_us: int = 0,
+        curve: CurveConfig | None = None,
     ) -> None:
         load_capability_plugins()
         self.server = DraftServer(engine)
         self.transport = RpcTransport(
-            self.server, address, None, busy_poll_us=busy_poll_us
+            self.server, address, curve, busy_poll_us=busy_poll_us
         )
         self.transport.bind()
         assert self.transport.endpoint is not None
@@ -167,6 +169,8 @@ def main() -> None:
     parser.add_argument("--busy-poll-us", type=int, default=0)
     parser.add_argument("--context-width", type=int, default=CONTEXT_WIDTH)
     parser.add_argument("--max-context-tokens", type=int, default=16)
+    parser.add_argument("--curve-secret-key", help="serve CurveZMQ with this key")
+    parser.add_argument("--curve-authorized-keys", help="and these clients")
     args = parser.parse_args()
     table = torch.load(args.table)
     limits = table_limits(
@@ -177,7 +181,10 @@ def main() -> None:
         args.max_context_tokens,
     )
     engine = TableEngine(limits, table, torch.device(args.device), args.context_width)
-    LoopbackServer(engine, args.address, args.busy_poll_us)
+    curve = None
+    if args.curve_secret_key:
+        curve = CurveConfig(args.curve_secret_key, args.curve_authorized_keys)
+    LoopbackServer(engine, args.address, args.busy_poll_us, curve)
     print("serving", flush=True)
     threading.Event().wait()
 

@@ -5,6 +5,7 @@ table server would refuse is a one-line usage error before the server
 starts, and the server's own refusal is one line and exit status 1, not a
 traceback of each process."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,22 @@ def test_the_table_servers_refusal_is_one_line_and_exit_1(tmp_path):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("the table server did not start: RuntimeError: ")
     assert not out.exists()
+
+
+def test_a_curve_run_measures_the_table_server_over_curve(tmp_path):
+    """A peer of the other mechanism never completes ZeroMQ's handshake: a run
+    that gets every answer had the server and the client on CURVE."""
+    out = tmp_path / "out.json"
+    result = _run(
+        *("--curve", "--iters", "1", "--warmup", "0", "--no-consume"),
+        *("--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["meta"]["curve"] is True
+    cases = [
+        f"b{b} {f}"
+        for b in (1, 8)
+        for f in ("full", "top-16", "top-64", "top-256", "greedy")
+    ]
+    assert [case["case"] for case in report["transport"]] == cases

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CurveZMQ certificates for the benchmarks that run the draft server over
+CURVE, as any bind beyond loopback must."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import zmq
+import zmq.auth
+
+from vllm.k3_draft.client import CurveKeys
+
+
+class CurveCertificates:
+    """A fresh server certificate and one authorized client's under
+    ``directory``: ``server_flags`` for the draft server, the client's keys
+    for a socket or a ``DraftClient``."""
+
+    def __init__(self, directory: str) -> None:
+        self.authorized_dir = os.path.join(directory, "authorized")
+        os.mkdir(self.authorized_dir)
+        server_public, self.server_secret_file = zmq.auth.create_certificates(
+            directory, "server"
+        )
+        client_public, client_secret = zmq.auth.create_certificates(directory, "client")
+        # The server refuses secret files other users can read.
+        for path in (self.server_secret_file, client_secret):
+            os.chmod(path, 0o600)
+        shutil.copy(client_public, self.authorized_dir)
+        self.server_flags = [
+            *("--curve-secret-key", self.server_secret_file),
+            *("--curve-authorized-keys", self.authorized_dir),
+        ]
+        client_keys = zmq.auth.load_certificate(client_secret)
+        self.client_keys = CurveKeys(
+            server_public=zmq.auth.load_certificate(server_public)[0],
+            client_public=client_keys[0],
+            client_secret=client_keys[1],
+        )
+
+    def connect_as_client(self, sock: zmq.Socket) -> None:
+        """Set ``sock`` (not yet connected) to connect as the client."""
+        sock.curve_publickey = self.client_keys.client_public
+        sock.curve_secretkey = self.client_keys.client_secret
+        sock.curve_serverkey = self.client_keys.server_public
