@@ -70,12 +70,13 @@ from cli_types import (
     positive_int,
     refusal,
     run,
+    timeout_s,
 )
 from curve_certificates import CurveCertificates
 
 from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft import protocol
-from vllm.k3_draft.client import DraftClient
+from vllm.k3_draft.client import DraftClient, TransportError
 from vllm.k3_draft.logits_codec import LogitsFormat, decode_logits
 from vllm.k3_draft.plan import Proposal
 
@@ -379,6 +380,13 @@ def main() -> None:
         help="bf16 values per context row (Kimi DFlash: 3 x 7168 = 21504)",
     )
     parser.add_argument(
+        "--reply-timeout-s",
+        type=timeout_s,
+        default=60.0,
+        help="give up when the table server has not answered for this long "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--curve",
         action="store_true",
         help="over CurveZMQ, as any bind beyond loopback must be",
@@ -401,7 +409,8 @@ def main() -> None:
             args.context_rows,
             curve,
         )
-    client = DraftClient(address, 60_000, curve.client_keys if curve else None)
+    timeout_ms = round(args.reply_timeout_s * 1e3)
+    client = DraftClient(address, timeout_ms, curve.client_keys if curve else None)
     try:
         cases = [
             Case(
@@ -419,6 +428,10 @@ def main() -> None:
         for index in range(args.warmup + args.iters):
             for case in cases:
                 case.run(record=index >= args.warmup)
+    except TransportError as exc:
+        status = server.poll()
+        exited = "" if status is None else f"; the table server exited ({status})"
+        raise SystemExit(f"{exc}{exited}") from None
     finally:
         client.close()
         server.terminate()

@@ -60,10 +60,10 @@ from cli_types import (
     non_negative_int,
     output_file,
     popen,
-    positive_float,
     positive_int,
     refusal,
     run,
+    timeout_s,
 )
 from curve_certificates import CurveCertificates
 
@@ -325,7 +325,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--reply-timeout-s",
-        type=positive_float,
+        type=timeout_s,
         default=60.0,
         help="give up when the draft server or the raw echo has not answered "
         "for this long (default: %(default)s)",

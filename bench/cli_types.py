@@ -48,6 +48,20 @@ def positive_float(text: str) -> float:
     return value
 
 
+# ZeroMQ takes a socket's timeouts as a C int of milliseconds.
+_MAX_TIMEOUT_S = (2**31 - 1) / 1e3
+
+
+def timeout_s(text: str) -> float:
+    """Seconds a ZeroMQ socket may wait: 1 ms to 2**31 - 1 ms."""
+    value = _float(text)
+    if not 1e-3 <= value <= _MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not from 0.001 to {_MAX_TIMEOUT_S:g} seconds"
+        )
+    return value
+
+
 def device(text: str) -> str:
     """A ``--device`` the draft server parses (whether that CUDA device
     exists is the server's to say when it starts)."""

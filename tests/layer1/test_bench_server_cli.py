@@ -50,6 +50,17 @@ def test_a_device_torch_cannot_parse_is_a_usage_error(script, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("value", ["1e12", "0.0001"])
+def test_a_reply_timeout_zeromq_cannot_take_is_a_usage_error(value):
+    """ZeroMQ's timeouts are C ints of milliseconds: 1e12 s overflowed its
+    setsockopt, and the unclosed socket hung the run's clean-up."""
+    result = _run("bench_remote_rpc.py", "--reply-timeout-s", value)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1].endswith(
+        f"--reply-timeout-s: '{value}' is not from 0.001 to 2.14748e+06 seconds"
+    )
+
+
 def test_a_busy_poll_the_server_refuses_is_a_usage_error():
     result = _run("bench_remote_rpc.py", "--server-busy-poll-us", "2000000")
     assert result.returncode == 2, result.stdout + result.stderr

@@ -6,8 +6,11 @@ starts, and the server's own refusal is one line and exit status 1, not a
 traceback of each process."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,11 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     [
         ("--device", "bogus", "'bogus' is not a device"),
         ("--server-busy-poll-us", "2000000", "2000000 is above 1000000"),
+        (
+            "--reply-timeout-s",
+            "1e12",
+            "'1e12' is not from 0.001 to 2.14748e+06 seconds",
+        ),
     ],
 )
 def test_a_value_the_server_refuses_is_a_usage_error(flag, value, error, tmp_path):
@@ -69,3 +77,46 @@ def test_a_curve_run_measures_the_table_server_over_curve(tmp_path):
         for f in ("full", "top-16", "top-64", "top-256", "greedy")
     ]
     assert [case["case"] for case in report["transport"]] == cases
+
+
+def _established(port: int) -> bool:
+    """Whether a TCP connection to loopback ``port`` is established."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == port and state == "01":
+            return True
+    return False
+
+
+def test_a_table_server_that_stops_answering_ends_the_run_in_one_line(tmp_path):
+    out = tmp_path / "out.json"
+    bench = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--iters", "1000000", "--no-consume"]
+        + ["--reply-timeout-s", "2", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server = None
+        # The client connects once the server said it serves.
+        while bench.poll() is None and server is None:
+            for child in Path(f"/proc/{bench.pid}/task").glob("*/children"):
+                for pid in child.read_text().split():
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    # A child forked but not yet executed shows our command.
+                    if b"--address" in argv:
+                        address = argv[argv.index(b"--address") + 1]
+                        if _established(int(address.rsplit(b":", 1)[1])):
+                            server = int(pid)
+            time.sleep(0.05)
+        assert server is not None, bench.communicate()
+        os.kill(server, signal.SIGKILL)
+        stdout, stderr = bench.communicate(timeout=120)
+    finally:
+        bench.kill()
+    assert bench.returncode == 1, stdout + stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].endswith("timed out after 2000 ms; the table server exited (-9)")
+    assert not out.exists()
