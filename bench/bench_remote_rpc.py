@@ -343,10 +343,11 @@ def main() -> None:
     server_address = f"tcp://127.0.0.1:{free_port()}"
     raw_address = f"tcp://127.0.0.1:{free_port()}"
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed at exit)
-    keys_dir = tempfile.TemporaryDirectory()  # noqa: SIM115 (removed at exit)
-    curve = CurveCertificates(keys_dir.name) if args.curve else None
     echo_command = [sys.executable, __file__, "--raw-echo", raw_address]
-    if curve:
+    curve = None
+    if args.curve:
+        keys_dir = tempfile.TemporaryDirectory()  # noqa: SIM115 (removed at exit)
+        curve = CurveCertificates(keys_dir.name)
         echo_command += ["--raw-echo-curve-key", curve.server_secret_file]
     # Its own session: a Ctrl-C while it imports would print its traceback;
     # this process stops it on every way out.
