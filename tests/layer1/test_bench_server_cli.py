@@ -5,7 +5,8 @@ operator runs them: a value the server would refuse is a one-line usage
 error before anything starts, a refusal of the server itself is its one line
 and exit status 1, as is a server that stops answering mid-run, and Ctrl-C
 and SIGTERM are one line: no traceback, no JSON written, no process left
-behind (these read ``/proc``)."""
+behind (these read ``/proc``); ``--curve`` runs the server and the raw echo
+over CurveZMQ."""
 
 import json
 import os

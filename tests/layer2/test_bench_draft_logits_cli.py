@@ -3,7 +3,8 @@
 """``bench/bench_draft_logits.py``, run as an operator runs it: a value its
 table server would refuse is a one-line usage error before the server
 starts, and the server's own refusal is one line and exit status 1, not a
-traceback of each process."""
+traceback of each process, as is a server that stops answering mid-run;
+``--curve`` runs the server and the client over CurveZMQ."""
 
 import json
 import os
