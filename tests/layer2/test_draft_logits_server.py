@@ -25,6 +25,7 @@ from k3_layer1_server import (
 )
 
 from vllm.k3_draft import protocol
+from vllm.k3_draft.capabilities.draft_logits import TopkGraphs
 from vllm.k3_draft.engine import DraftLimits, ProposeBatch, ProposeOutput
 from vllm.k3_draft.logits_codec import (
     CAPABILITY_FULL,
@@ -319,3 +320,16 @@ def test_dspark_full_and_topk_logits_are_its_heads_and_describe_the_drafts(
     torch.testing.assert_close(values, expected, rtol=2.0**-7, atol=2.0**-7)
     assert full.positions.tolist() == [[21, 22, 23], [13, 14, 15]]
     _assert_drafts_and_topk_follow(dspark_client, entries, anchors, values, tokens)
+
+
+def test_top_k_graphs_remember_a_bounded_number_of_keys_seen_once():
+    """Graphs key by the logits' address: an engine whose logits move every
+    step is never captured, and what it leaves behind must stay bounded on a
+    server that runs for months (the keys seen once; no CUDA needed)."""
+    graphs = TopkGraphs(max_graphs=2)
+    host = torch.empty(16, dtype=torch.uint8)
+    logits = torch.zeros(100, 1, 1)
+    for step in range(100):
+        assert not graphs.write(logits[step : step + 1], 1, host)
+    assert len(graphs) == 0
+    assert len(graphs._seen) <= 4 * graphs.max_graphs
