@@ -70,7 +70,7 @@ from cli_types import (
     positive_int,
     refusal,
     run,
-    timeout_s,
+    zmq_timeout_s,
 )
 from curve_certificates import CurveCertificates
 
@@ -381,7 +381,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--reply-timeout-s",
-        type=timeout_s,
+        type=zmq_timeout_s,
         default=60.0,
         help="give up when the table server has not answered for this long "
         "(default: %(default)s)",

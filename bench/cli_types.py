@@ -52,7 +52,7 @@ def positive_float(text: str) -> float:
 _MAX_TIMEOUT_S = (2**31 - 1) / 1e3
 
 
-def timeout_s(text: str) -> float:
+def zmq_timeout_s(text: str) -> float:
     """Seconds a ZeroMQ socket may wait: 1 ms to 2**31 - 1 ms."""
     value = _float(text)
     if not 1e-3 <= value <= _MAX_TIMEOUT_S:

@@ -20,8 +20,8 @@ class CurveCertificates:
     for a socket or a ``DraftClient``."""
 
     def __init__(self, directory: str) -> None:
-        self.authorized_dir = os.path.join(directory, "authorized")
-        os.mkdir(self.authorized_dir)
+        authorized = os.path.join(directory, "authorized")
+        os.mkdir(authorized)
         server_public, self.server_secret_file = zmq.auth.create_certificates(
             directory, "server"
         )
@@ -29,10 +29,10 @@ class CurveCertificates:
         # The server refuses secret files other users can read.
         for path in (self.server_secret_file, client_secret):
             os.chmod(path, 0o600)
-        shutil.copy(client_public, self.authorized_dir)
+        shutil.copy(client_public, authorized)
         self.server_flags = [
             *("--curve-secret-key", self.server_secret_file),
-            *("--curve-authorized-keys", self.authorized_dir),
+            *("--curve-authorized-keys", authorized),
         ]
         client_keys = zmq.auth.load_certificate(client_secret)
         self.client_keys = CurveKeys(
