@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm.k3_draft import protocol
+from vllm.k3_draft.capabilities import draft_logits
 from vllm.k3_draft.capabilities.draft_logits import DraftLogitsReply, TopkGraphs
 from vllm.k3_draft.logits_codec import (
     LogitsFormat,
@@ -139,6 +140,28 @@ def test_keys_beyond_the_bound_stay_eager_and_evict_nothing() -> None:
     assert bytes(host[: K * 6].numpy()) == _eager(logits, 1)
 
 
+def test_a_failed_capture_turns_the_graphs_off_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    captures: list[int] = []
+
+    def uncapturable(logits: torch.Tensor, k: int) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            captures.append(k)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return topk_frame(logits, k)
+
+    monkeypatch.setattr(draft_logits, "topk_frame", uncapturable)
+    graphs, logits = TopkGraphs(), _logits(1, seed=6)
+    host = _pinned(K * 16 * 6)
+    assert not _write(graphs, logits, 16, host)  # seen once
+    assert not _write(graphs, logits, 16, host)  # the capture fails
+    assert not _write(graphs, logits, 16, host)
+    assert not _write(graphs, logits, 16, _pinned(K * 16 * 6))
+    assert captures == [16]
+    assert len(graphs) == 0
+
+
 def _context(logits: torch.Tensor) -> protocol.ReplyContext:
     """A PROPOSE's reply context for ``logits`` ``[R, K, V]`` (anchors 100..)."""
     batch = logits.shape[0]
@@ -220,3 +243,12 @@ def test_replies_of_more_sizes_than_the_staging_views_kept_stay_exact() -> None:
     for k in (70, *range(1, 70)):
         _, frames = _reply(reply, k, context)
         assert [bytes(f) for f in frames] == [_eager(logits, k)], k
+
+
+def test_the_staging_views_kept_stay_within_their_bound() -> None:
+    reply = DraftLogitsReply(topk=True)
+    logits = _logits(1, seed=9)
+    context = _context(logits)
+    for k in (70, *range(1, 70)):
+        _reply(reply, k, context)
+        assert len(reply._host_frames) <= draft_logits._MAX_HOST_FRAMES, k
