@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from k3_l2_publish import publish_context, reply_for
 from k3_l2_reference import gumbel_sample
 from toy_target import (
     HIDDEN,
@@ -45,10 +46,6 @@ from vllm.v1.worker.gpu.spec_decode.dspark.remote_draft_logits import (
     FILL,
     RemoteDraftLogits,
     bind_sampling_states,
-)
-from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
-    PublishContext,
-    RemoteStep,
 )
 
 pytest_plugins = ("conftest_client",)
@@ -435,53 +432,19 @@ def test_server_without_the_capability_is_refused_at_init(
 # ----------------------------------------------------- ranks and staging
 
 
-def _reply_for(fmt: LogitsFormat, proposal: Proposal, seed: int):
-    logits = torch.randn(
-        len(proposal.request_ids),
-        proposal.num_speculative_tokens,
-        fmt.vocab_size,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    positions = sample_positions(
-        proposal.anchor_positions, proposal.num_speculative_tokens, 64
-    )
-    meta, frame = encode_logits(logits, fmt, positions)
-    meta.update(capability=fmt.capability, num_frames=1)
-    return meta, [bytes(protocol.tensor_frame(frame))]
-
-
-def _context(
-    drafts: torch.Tensor, idx: list[int], structured: bool = False
-) -> PublishContext:
-    step = RemoteStep(
-        input_batch=SimpleNamespace(
-            idx_mapping=torch.tensor(idx), has_structured_output_reqs=structured
-        ),
-        num_reqs=len(idx),
-        num_speculative_tokens=K,
-        temperature=torch.full((8,), 0.9),
-        seeds=torch.arange(8) * 1000,
-        staged=None,
-        # The tests call an extension's publish themselves, which does not
-        # read which extensions the step asks for.
-        extensions=(),
-    )
-    return PublishContext(step, drafts)
-
-
 @pytest.mark.parametrize("topk", [0, 5])
 def test_every_rank_publishes_the_same_drafts_and_cache(reference_gumbel, topk):
     fmt = LogitsFormat(40, topk)
     proposal = Proposal(("x", "y"), np.array([2, 0]), np.array([9, 30]), K)
     rank0 = RecordingRank0()
     ext0 = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, rank0)
-    payload = ext0.consume(*_reply_for(fmt, proposal, 1), proposal)
+    payload = ext0.consume(*reply_for(fmt, proposal, 1), proposal)
     drafts0 = torch.full((3, K), -1)
-    ext0.publish(payload, _context(drafts0, [4, 1, 6]))
+    ext0.publish(payload, publish_context(drafts0, [4, 1, 6]))
     rank1 = ReplayingRank1(rank0.sent)
     ext1 = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, rank1)
     drafts1 = torch.full((3, K), -1)
-    ext1.publish(None, _context(drafts1, [4, 1, 6]))
+    ext1.publish(None, publish_context(drafts1, [4, 1, 6]))
     assert rank1.sent == [] and len(rank0.sent) == (1 if topk else 2)
     assert torch.equal(drafts0, drafts1) and torch.equal(
         ext0.draft_logits, ext1.draft_logits
@@ -500,10 +463,10 @@ def test_with_structured_outputs_every_slot_drafts_its_likeliest_token_as_a_poin
     fmt = LogitsFormat(40, topk)
     proposal = Proposal(("x", "y"), np.array([0, 1]), np.array([9, 30]), K)
     extension = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
-    meta, frames = _reply_for(fmt, proposal, 3)
+    meta, frames = reply_for(fmt, proposal, 3)
     payload = extension.consume(meta, frames, proposal)
     drafts = torch.full((2, K), -1)
-    extension.publish(payload, _context(drafts, [4, 1], structured=True))
+    extension.publish(payload, publish_context(drafts, [4, 1], structured=True))
     sent = torch.randn(2, K, 40, generator=torch.Generator().manual_seed(3))
     likeliest = sent.bfloat16().float().argmax(-1)
     assert torch.equal(drafts, likeliest)
@@ -523,17 +486,17 @@ def test_two_consumed_replies_publish_their_own_logits(one_rank, reference_gumbe
     for proposal, seed in ((first, 1), (second, 2)):
         drafts = torch.full((1, K), -1)
         reference.publish(
-            reference.consume(*_reply_for(fmt, proposal, seed), proposal),
-            _context(drafts, [2]),
+            reference.consume(*reply_for(fmt, proposal, seed), proposal),
+            publish_context(drafts, [2]),
         )
         expected.append((drafts, reference.draft_logits.clone()))
     payloads = [
-        deferred.consume(*_reply_for(fmt, p, seed), p)
+        deferred.consume(*reply_for(fmt, p, seed), p)
         for p, seed in ((first, 1), (second, 2))
     ]
     for payload, (drafts, cache) in zip(payloads, expected):
         got = torch.full((1, K), -1)
-        deferred.publish(payload, _context(got, [2]))
+        deferred.publish(payload, publish_context(got, [2]))
         assert torch.equal(got, drafts) and torch.equal(deferred.draft_logits, cache)
 
 
@@ -548,14 +511,14 @@ def test_a_reused_staging_slot_keeps_no_rows_of_its_earlier_reply(
     only_x = Proposal(("x",), np.array([0]), np.array([12]), K)
     for proposal, seed in ((both, 1), (both, 2)):
         extension.publish(
-            extension.consume(*_reply_for(fmt, proposal, seed), proposal),
-            _context(torch.full((2, K), -1), [4, 1]),
+            extension.consume(*reply_for(fmt, proposal, seed), proposal),
+            publish_context(torch.full((2, K), -1), [4, 1]),
         )
     cache = extension.draft_logits.clone()
     drafts = torch.full((2, K), -1)
     extension.publish(
-        extension.consume(*_reply_for(fmt, only_x, 3), only_x),
-        _context(drafts, [4, 1]),
+        extension.consume(*reply_for(fmt, only_x, 3), only_x),
+        publish_context(drafts, [4, 1]),
     )
     assert (drafts[0] >= 0).all() and (drafts[1] == -1).all()
     assert torch.equal(extension.draft_logits[1], cache[1])
@@ -573,12 +536,12 @@ def test_a_second_topk_reply_leaves_only_its_own_top_k_in_the_cache(
     only_second = RemoteDraftLogits(fmt, K, 8, 64, torch.device("cpu"), False, one_rank)
     for proposal, seed in ((first, 1), (second, 2)):
         extension.publish(
-            extension.consume(*_reply_for(fmt, proposal, seed), proposal),
-            _context(torch.full((1, K), -1), [2]),
+            extension.consume(*reply_for(fmt, proposal, seed), proposal),
+            publish_context(torch.full((1, K), -1), [2]),
         )
     only_second.publish(
-        only_second.consume(*_reply_for(fmt, second, 2), second),
-        _context(torch.full((1, K), -1), [2]),
+        only_second.consume(*reply_for(fmt, second, 2), second),
+        publish_context(torch.full((1, K), -1), [2]),
     )
     assert ((extension.draft_logits[2] != FILL).sum(-1) == 5).all()
     assert torch.equal(extension.draft_logits, only_second.draft_logits)
@@ -604,7 +567,7 @@ def test_consume_fills_the_selected_staging_slot(one_rank):
     extension = _two_slot_extension(one_rank)
     proposal = _single_proposal()
     extension.select_staging(1)
-    payload = extension.consume(*_reply_for(extension.format, proposal, 1), proposal)
+    payload = extension.consume(*reply_for(extension.format, proposal, 1), proposal)
     assert payload is extension.staged_payload(1)
     assert payload is not extension.staged_payload(0)
 
@@ -612,7 +575,7 @@ def test_consume_fills_the_selected_staging_slot(one_rank):
 def test_consumes_after_a_selection_go_on_round_robin(one_rank):
     extension = _two_slot_extension(one_rank)
     proposal = _single_proposal()
-    reply = _reply_for(extension.format, proposal, 1)
+    reply = reply_for(extension.format, proposal, 1)
     extension.select_staging(3)  # taken modulo the two slots: slot 1
     got = [extension.consume(*reply, proposal) for _ in range(3)]
     want = [extension.staged_payload(i) for i in (1, 0, 1)]
@@ -626,15 +589,15 @@ def test_staged_payload_taken_before_consume_publishes_the_reply(
     reply is outstanding publishes what ``consume`` later filled in."""
     proposal = _single_proposal()
     reference = _two_slot_extension(one_rank)
-    reply = _reply_for(reference.format, proposal, 1)
+    reply = reply_for(reference.format, proposal, 1)
     want = torch.full((1, K), -1)
-    reference.publish(reference.consume(*reply, proposal), _context(want, [2]))
+    reference.publish(reference.consume(*reply, proposal), publish_context(want, [2]))
     deferred = _two_slot_extension(one_rank)
     deferred.select_staging(1)
     early = deferred.staged_payload(1)
     deferred.consume(*reply, proposal)
     got = torch.full((1, K), -1)
-    deferred.publish(early, _context(got, [2]))
+    deferred.publish(early, publish_context(got, [2]))
     assert (want >= 0).all()
     assert torch.equal(got, want)
     assert torch.equal(deferred.draft_logits, reference.draft_logits)
@@ -647,15 +610,15 @@ def test_a_cleared_slot_publishes_no_draft_and_keeps_the_cache(
     first, second = _single_proposal(9), _single_proposal(10)
     drafts = torch.full((1, K), -1)
     extension.publish(
-        extension.consume(*_reply_for(extension.format, first, 1), first),
-        _context(drafts, [2]),
+        extension.consume(*reply_for(extension.format, first, 1), first),
+        publish_context(drafts, [2]),
     )
     cache = extension.draft_logits.clone()
     extension.select_staging(0)
-    extension.consume(*_reply_for(extension.format, second, 2), second)
+    extension.consume(*reply_for(extension.format, second, 2), second)
     extension.clear_staging(0)
     got = torch.full((1, K), 7)
-    extension.publish(extension.staged_payload(0), _context(got, [2]))
+    extension.publish(extension.staged_payload(0), publish_context(got, [2]))
     assert (got == -1).all()
     assert torch.equal(extension.draft_logits, cache)
 
@@ -669,7 +632,7 @@ def test_a_slot_no_reply_filled_publishes_no_draft_and_keeps_the_cache(
     )
     cache = extension.draft_logits.clone()
     got = torch.full((2, K), 7)
-    extension.publish(extension.staged_payload(1), _context(got, [4, 5]))
+    extension.publish(extension.staged_payload(1), publish_context(got, [4, 5]))
     assert (got == -1).all()
     assert torch.equal(extension.draft_logits, cache)
 
@@ -708,7 +671,7 @@ def test_a_selected_slot_is_filled_without_waiting_for_its_published_copy(
     extension.select_staging(1)
     parked = extension.staged_payload(1).copied = _ParkedCopy()
     if fill == "consume":
-        extension.consume(*_reply_for(extension.format, proposal, 1), proposal)
+        extension.consume(*reply_for(extension.format, proposal, 1), proposal)
     else:
         extension.clear_staging(1)
     assert parked.waits == 0
@@ -717,7 +680,7 @@ def test_a_selected_slot_is_filled_without_waiting_for_its_published_copy(
 def test_a_consume_without_selection_waits_for_the_slots_last_copy(one_rank):
     extension = _two_slot_extension(one_rank)
     proposal = _single_proposal()
-    reply = _reply_for(extension.format, proposal, 1)
+    reply = reply_for(extension.format, proposal, 1)
     extension.select_staging(1)
     extension.consume(*reply, proposal)  # the selected fill
     copy = extension.staged_payload(0).copied = _ParkedCopy()
