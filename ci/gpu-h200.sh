@@ -66,6 +66,7 @@ if [ "$vllm_tests" = 1 ]; then
   PYTHONPATH="${vllm_path:+$vllm_path:}$PYTHONPATH" timeout 300 python3 -m pytest -q -rfEs \
     -p no:cacheprovider -m "$marks" tests/layer1/test_production_engine_upstream.py \
     tests/layer1/test_production_engine_upstream_mla.py \
+    tests/layer2/test_remote_draft_logits_gpu.py \
     tests/layer3/test_deferred_resolve_gpu.py \
     tests/layer5/test_verify_routing_gpu.py \
     2>&1 | tee "$OUT/gpu-tests-vllm.txt" | tail -20 || status=1
