@@ -223,7 +223,7 @@ def connect(
     process that stopped answering ends the run instead of hanging it."""
     sock = ctx.socket(zmq.REQ)
     if curve:
-        curve.connect_as_client(sock)
+        curve.client_keys.apply_to(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1e3))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1e3))

@@ -40,9 +40,3 @@ class CurveCertificates:
             client_public=client_keys[0],
             client_secret=client_keys[1],
         )
-
-    def connect_as_client(self, sock: zmq.Socket) -> None:
-        """Set ``sock`` (not yet connected) to connect as the client."""
-        sock.curve_publickey = self.client_keys.client_public
-        sock.curve_secretkey = self.client_keys.client_secret
-        sock.curve_serverkey = self.client_keys.server_public

@@ -106,6 +106,12 @@ class CurveKeys:
     client_public: bytes
     client_secret: bytes
 
+    def apply_to(self, socket: zmq.Socket) -> None:
+        """Set ``socket`` (not yet connected) to connect with these keys."""
+        socket.curve_serverkey = self.server_public
+        socket.curve_publickey = self.client_public
+        socket.curve_secretkey = self.client_secret
+
 
 @dataclass(frozen=True)
 class ServerRequirements:
@@ -291,9 +297,7 @@ class DraftClient:
             if needs_ipv6(self.address):
                 socket.setsockopt(zmq.IPV6, 1)
             if self.curve is not None:
-                socket.curve_serverkey = self.curve.server_public
-                socket.curve_publickey = self.curve.client_public
-                socket.curve_secretkey = self.curve.client_secret
+                self.curve.apply_to(socket)
             if monitor:
                 self._monitor = socket.get_monitor_socket(_HANDSHAKE_EVENTS)
             socket.connect(self.address)
