@@ -19,8 +19,10 @@ from vllm.v1.worker.gpu.spec_decode.dspark.remote_speculator import (
     RemoteStep,
 )
 
-# Sample positions are computed against this model length.
+# The model length sample positions are computed against, and the request
+# state rows of the step's temperatures and seeds.
 MAX_MODEL_LEN = 64
+MAX_NUM_REQS = 8
 
 
 def reply_for(
@@ -46,7 +48,6 @@ def publish_context(
     drafts: torch.Tensor,
     idx: list[int],
     structured: bool = False,
-    max_num_reqs: int = 8,
 ) -> PublishContext:
     """Publishing into ``drafts`` ``[len(idx), K]`` for the requests of
     state rows ``idx`` (temperature 0.9; tensors on ``drafts``' device)."""
@@ -58,8 +59,8 @@ def publish_context(
         ),
         num_reqs=len(idx),
         num_speculative_tokens=drafts.shape[1],
-        temperature=torch.full((max_num_reqs,), 0.9, device=device),
-        seeds=torch.arange(max_num_reqs, device=device) * 1000,
+        temperature=torch.full((MAX_NUM_REQS,), 0.9, device=device),
+        seeds=torch.arange(MAX_NUM_REQS, device=device) * 1000,
         staged=None,
         # The tests call an extension's publish themselves, which does not
         # read which extensions the step asks for.
