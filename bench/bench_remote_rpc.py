@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-import zmq.auth
 from cli_types import (
     device,
     int_at_most,
@@ -69,6 +68,7 @@ from curve_certificates import CurveCertificates
 
 from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft import protocol
+from vllm.k3_draft.security import load_certificate, make_curve_server
 
 WIDTH = 3 * 7168
 K = 3
@@ -90,10 +90,8 @@ def raw_echo(address: str, curve_key_file: str | None) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REP)
     if curve_key_file:
-        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(
-            curve_key_file
-        )
-        sock.curve_server = True
+        keys = load_certificate(curve_key_file, "the CURVE key", secret=True)
+        make_curve_server(sock, keys)
     sock.bind(address)
     replies: dict[int, bytes] = {}
     while True:
