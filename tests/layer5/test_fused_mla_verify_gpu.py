@@ -10,11 +10,11 @@ visible KV shows up as NaN.
 Tolerances. q and KV are bf16 (or fp8 e4m3 with a scale; both dequantise
 exactly in float64), so q.k products are exact and are accumulated in fp32:
 the LSE matches float64 to about 1e-5 and is checked to 2e-3 absolute. The
-output path rounds the softmax weights to bf16 before the P.V product and
-rounds the result to bf16, each a relative error of at most 2^-9 per element,
-about 3e-3 in norm: outputs are checked to 1e-2 relative in norm over all rows
-and 3e-2 per (row, head). A wrong mask, page, split or row mapping gives errors
-of order one.
+output path rounds the softmax weights to bf16 (fp16 with fp8 KV) before the
+P.V product and rounds the result to bf16, each a relative error of at most
+2^-9 per element, about 3e-3 in norm: outputs are checked to 1e-2 relative in
+norm over all rows and 3e-2 per (row, head). A wrong mask, page, split or row
+mapping gives errors of order one.
 """
 
 import dataclasses
@@ -73,9 +73,10 @@ def _run(
     *,
     query_len: int,
     num_kv_splits: int | None = None,
+    k_scale: float = K_SCALE,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel call on NaN-poisoned outputs."""
+    """One kernel call on NaN-poisoned outputs (``k_scale`` for fp8 KV)."""
     rows, heads = q.shape[0], q.shape[1]
     splits = num_kv_splits or ops.choose_num_kv_splits(
         len(seq_lens), heads, query_len, max(seq_lens), _sm_count()
@@ -83,7 +84,7 @@ def _run(
     o = torch.full((rows, heads, LATENT), float("nan"), dtype=BF16, device=DEVICE)
     lse = torch.full((rows, heads), float("nan"), device=DEVICE)
     workspace = torch.empty(ops.workspace_numel(rows, heads, splits), device=DEVICE)
-    k_scale = torch.tensor([K_SCALE], device=DEVICE) if cache.dtype == FP8 else None
+    scale = torch.tensor([k_scale], device=DEVICE) if cache.dtype == FP8 else None
     ops.fused_mla_verify_decode(
         q,
         cache,
@@ -95,7 +96,7 @@ def _run(
         query_len=query_len,
         sm_scale=SM_SCALE,
         num_kv_splits=splits,
-        k_scale=k_scale,
+        k_scale=scale,
         **kwargs,
     )
     return o, lse
@@ -105,13 +106,14 @@ def _reference(
     q: torch.Tensor,
     stored: list[torch.Tensor],
     query_len: int,
+    k_scale: float = K_SCALE,
     **mask_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     masks = [
         visible_mask(len(kv), query_len, device=DEVICE, **mask_kwargs) for kv in stored
     ]
     return reference_attention(
-        q, [dequant(kv, K_SCALE) for kv in stored], masks, SM_SCALE
+        q, [dequant(kv, k_scale) for kv in stored], masks, SM_SCALE
     )
 
 
@@ -222,6 +224,37 @@ def test_fp8_kv_matches_float64_reference(fused_verify, query_len, heads, page_s
     q = _queries(len(seq_lens), query_len, heads)
     o, lse = _run(fused_verify, q, cache, table, seq_lens, query_len=query_len)
     _assert_matches(o, lse, *_reference(q, stored, query_len))
+
+
+@pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
+@pytest.mark.parametrize(
+    "q_scale", [2.0**20, 2.0**-20], ids=["above-fp16-max", "below-fp16-normals"]
+)
+def test_fp8_kv_with_queries_outside_fp16s_range_matches_float64_reference(
+    fused_verify, use_gluon, q_scale
+):
+    """With fp8 KV the Gluon kernel's products run in fp16: bf16 queries that
+    fp16 cannot hold (above 65504, or below its normals, where it keeps few
+    bits) must be scaled into its range first. ``k_scale`` shrinks by the
+    queries' factor, so the scores are those of ordinary inputs."""
+    query_len, heads = 4, 16
+    k_scale = K_SCALE / q_scale
+    seq_lens = _random_lens(query_len, 20_000)
+    stored = [random_kv(n, FP8, K_SCALE, DEVICE) for n in seq_lens]
+    cache, table = paged_cache(stored, 64)
+    config = _default_tiling_on(fused_verify, cache, query_len, heads, use_gluon)
+    q = (_queries(len(seq_lens), query_len, heads).float() * q_scale).to(BF16)
+    o, lse = _run(
+        fused_verify,
+        q,
+        cache,
+        table,
+        seq_lens,
+        query_len=query_len,
+        config=config,
+        k_scale=k_scale,
+    )
+    _assert_matches(o, lse, *_reference(q, stored, query_len, k_scale=k_scale))
 
 
 @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])

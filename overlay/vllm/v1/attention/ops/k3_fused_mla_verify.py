@@ -548,15 +548,19 @@ def _gl_verify_split_kernel(
     product, so the score product of tile i overlaps the P.V product of tile
     i-1. A 16-bit tile's buffer is refilled by the P.V partition as soon as
     its product is done (up to ``NUM_BUF`` copies in flight); an fp8 tile is
-    converted to the query dtype in shared memory by the first partition,
-    which then refills its buffer; ``k_scale`` scales the scores and the
-    output. mbarriers: ``full[b]`` (tile landed), ``empty[b]`` (P.V of the
-    tile in buffer b done: P, and for fp8 the converted tile, are free),
-    ``p_ready``, ``l_ready``.
+    converted to fp16 in shared memory by the first partition (exact: one
+    conversion per pair of values, where bf16 takes three), which then
+    refills its buffer; the products then run in fp16, the queries
+    rewritten as fp16 once (``_gl_queries_to_fp16``) and P stored as fp16;
+    ``k_scale`` scales the scores and the output. mbarriers: ``full[b]``
+    (tile landed), ``empty[b]`` (P.V of the tile in buffer b done: P, and for
+    fp8 the converted tile, are free), ``p_ready``, ``l_ready``.
     """
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
     KV_DT: gl.constexpr = kv_lat_desc.dtype
+    # The products' operand type.
+    MMA_DT: gl.constexpr = gl.float16 if IS_FP8 else DT
 
     head_tile = gl.program_id(0)
     split = gl.program_id(1)
@@ -646,24 +650,24 @@ def _gl_verify_split_kernel(
     mbarrier.init(p_ready, count=1)
     mbarrier.init(l_ready, count=1)
     if IS_FP8:
-        # The tile in the query dtype, for the products.
+        # The tile in fp16, for the products.
         k16_lat = gl.allocate_shared_memory(
-            DT,
+            MMA_DT,
             [BLOCK_N, LATENT],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], DT),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], MMA_DT),
         )
         k16_rope = gl.allocate_shared_memory(
-            DT,
+            MMA_DT,
             [BLOCK_N, ROPE],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_DT),
         )
     else:
         k16_lat = kv_lat_s
         k16_rope = kv_rope_s
     p_s = gl.allocate_shared_memory(
-        DT,
+        MMA_DT,
         [BLOCK_M, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT),
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], MMA_DT),
     )
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], FLAT)
@@ -688,10 +692,17 @@ def _gl_verify_split_kernel(
             LATENT,
         )
     async_copy.wait_group(0)
+    k_scale = gl.load(k_scale_ptr).to(gl.float32) if IS_FP8 else 1.0
+    qk_scale = sm_scale_log2 * k_scale
+    if DT != MMA_DT:
+        # Every thread's queries have landed before any is rewritten.
+        _cta_barrier()
+        qk_scale = qk_scale * _gl_queries_to_fp16(q_lat_s, q_rope_s, LATENT)
+        q_lat_s = q_lat_s._reinterpret(MMA_DT, [BLOCK_M, LATENT], q_lat_s.layout)
+        q_rope_s = q_rope_s._reinterpret(MMA_DT, [BLOCK_M, ROPE], q_rope_s.layout)
     fence_async_shared()
     _cta_barrier()
 
-    k_scale = gl.load(k_scale_ptr).to(gl.float32) if IS_FP8 else 1.0
     part_base = (req * QUERY_LEN).to(gl.int64) * num_heads
     gl.warp_specialize(
         [
@@ -719,7 +730,7 @@ def _gl_verify_split_kernel(
                     start,
                     end,
                     num_tiles,
-                    sm_scale_log2 * k_scale,
+                    qk_scale,
                     part_lse_ptr,
                     part_base,
                     num_heads,
@@ -775,6 +786,36 @@ def _gl_verify_split_kernel(
         [8],
         [_PV_REGISTERS],
     )
+
+
+@gluon.jit
+def _gl_queries_to_fp16(q_lat_s, q_rope_s, LATENT: gl.constexpr):
+    """Rewrite the 16-bit queries in shared memory (one warpgroup, each
+    thread its own elements) as fp16 values times ``2^-e``, with ``e`` such
+    that the largest magnitude lands in [2^14, 2^15): exact for every value
+    down to 2^-24 of the largest (below that, fp16's subnormals round).
+    Returns ``2^e`` (1 when the largest is zero, subnormal, infinite or NaN:
+    then nothing is scaled)."""
+    amax = gl.max(gl.max(gl.abs(q_rope_s.load(_LD_ROPE).to(gl.float32)), 1), 0)
+    for c in gl.static_range(LATENT // _CHUNK_COLS):
+        part = q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1)
+        x = gl.abs(part.load(_LD_CHUNK).to(gl.float32))
+        amax = gl.maximum(amax, gl.max(gl.max(x, 1), 0))
+    biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    e = gl.where((biased > 0) & (biased < 255), biased - (127 + 14), 0)
+    # 2^-e stays a normal float32.
+    e = gl.maximum(e, -126)
+    down = ((127 - e) << 23).to(gl.float32, bitcast=True)
+    lat16 = q_lat_s._reinterpret(gl.float16, q_lat_s.shape, q_lat_s.layout)
+    for c in gl.static_range(LATENT // _CHUNK_COLS):
+        part = q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1)
+        x = part.load(_LD_CHUNK).to(gl.float32) * down
+        lat16.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1).store(x.to(gl.float16))
+    x = q_rope_s.load(_LD_ROPE).to(gl.float32) * down
+    q_rope_s._reinterpret(gl.float16, q_rope_s.shape, q_rope_s.layout).store(
+        x.to(gl.float16)
+    )
+    return ((127 + e) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -850,7 +891,7 @@ def _gl_softmax_partition(
                     PAGE_SIZE,
                     LATENT,
                 )
-            # The tile in the query dtype, rows past the end zero. Both parts
+            # The tile in fp16, rows past the end zero. Both parts
             # are loaded before either is stored (one helper per part, store
             # behind load, made the fp8 cases 4-7% slower).
             rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
