@@ -10,11 +10,12 @@ visible KV shows up as NaN.
 Tolerances. q and KV are bf16 (or fp8 e4m3 with a scale; both dequantise
 exactly in float64), so q.k products are exact and are accumulated in fp32:
 the LSE matches float64 to about 1e-5 and is checked to 2e-3 absolute. The
-output path rounds the softmax weights to bf16 (fp16 with fp8 KV) before the
-P.V product and rounds the result to bf16, each a relative error of at most
-2^-9 per element, about 3e-3 in norm: outputs are checked to 1e-2 relative in
-norm over all rows and 3e-2 per (row, head). A wrong mask, page, split or row
-mapping gives errors of order one.
+output path rounds the softmax weights to bf16 (on the Gluon kernel with fp8
+KV: to fp16, scaled so that weights down to 2^-39 of a row's largest stay
+normal) before the P.V product and rounds the result to bf16, each a relative
+error of at most 2^-9 per element, about 3e-3 in norm: outputs are checked to
+1e-2 relative in norm over all rows and 3e-2 per (row, head). A wrong mask,
+page, split or row mapping gives errors of order one.
 """
 
 import dataclasses
@@ -226,24 +227,20 @@ def test_fp8_kv_matches_float64_reference(fused_verify, query_len, heads, page_s
     _assert_matches(o, lse, *_reference(q, stored, query_len))
 
 
-@pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
-@pytest.mark.parametrize(
-    "q_scale", [2.0**20, 2.0**-20], ids=["above-fp16-max", "below-fp16-normals"]
-)
-def test_fp8_kv_with_queries_outside_fp16s_range_matches_float64_reference(
-    fused_verify, use_gluon, q_scale
+def _fp8_run_with_scaled_queries(
+    fused_verify, query_len, heads, use_gluon, q_scale, poison=None
 ):
-    """With fp8 KV the Gluon kernel's products run in fp16: bf16 queries that
-    fp16 cannot hold (above 65504, or below its normals, where it keeps few
-    bits) must be scaled into its range first. ``k_scale`` shrinks by the
-    queries' factor, so the scores are those of ordinary inputs."""
-    query_len, heads = 4, 16
+    """bf16 queries times ``q_scale`` (``poison(q)`` then edits them) through
+    fp8 KV whose ``k_scale`` is divided by it, so that the scores are those
+    of ordinary inputs; returns the outputs and the float64 reference."""
     k_scale = K_SCALE / q_scale
     seq_lens = _random_lens(query_len, 20_000)
     stored = [random_kv(n, FP8, K_SCALE, DEVICE) for n in seq_lens]
     cache, table = paged_cache(stored, 64)
     config = _default_tiling_on(fused_verify, cache, query_len, heads, use_gluon)
     q = (_queries(len(seq_lens), query_len, heads).float() * q_scale).to(BF16)
+    if poison is not None:
+        poison(q)
     o, lse = _run(
         fused_verify,
         q,
@@ -254,7 +251,73 @@ def test_fp8_kv_with_queries_outside_fp16s_range_matches_float64_reference(
         config=config,
         k_scale=k_scale,
     )
-    _assert_matches(o, lse, *_reference(q, stored, query_len, k_scale=k_scale))
+    return o, lse, _reference(q, stored, query_len, k_scale=k_scale)
+
+
+@pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
+@pytest.mark.parametrize(
+    "q_scale", [2.0**20, 2.0**-20], ids=["above-fp16-max", "below-fp16-normals"]
+)
+@pytest.mark.parametrize(("query_len", "heads"), [(4, 16), (3, 12)])
+def test_fp8_kv_with_queries_outside_fp16s_range_matches_float64_reference(
+    fused_verify, use_gluon, q_scale, query_len, heads
+):
+    """With fp8 KV the Gluon kernel's products run in fp16: bf16 queries that
+    fp16 cannot hold (above 65504, or below its normals, where it keeps few
+    bits) must be scaled into its range first (3 x 12 rows leave padding
+    rows in the 64-row tile)."""
+    o, lse, ref = _fp8_run_with_scaled_queries(
+        fused_verify, query_len, heads, use_gluon, q_scale
+    )
+    _assert_matches(o, lse, *ref)
+
+
+@pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
+def test_fp8_kv_with_an_infinite_query_value_keeps_the_other_heads_exact(
+    fused_verify, use_gluon
+):
+    """One infinite query value (its head's scores are not finite) must not
+    stop the scaling of the other values in its tile, which fp16 cannot hold
+    unscaled."""
+
+    def poison(q: torch.Tensor) -> None:
+        q[0, 0, 5] = float("inf")
+
+    o, lse, (ref_o, ref_lse) = _fp8_run_with_scaled_queries(
+        fused_verify, 4, 16, use_gluon, 2.0**20, poison
+    )
+    _assert_matches(o[:, 1:], lse[:, 1:], ref_o[:, 1:], ref_lse[:, 1:])
+    _assert_matches(o[1:, :1], lse[1:, :1], ref_o[1:, :1], ref_lse[1:, :1])
+
+
+@pytest.mark.parametrize("use_gluon", [True, False], ids=["gluon", "triton"])
+def test_fp8_kv_weights_far_below_a_rows_largest_still_count(fused_verify, use_gluon):
+    """One key outscores 65,535 others by 18 (weights of 2^-26 against it,
+    below fp16's smallest subnormal) and has a zero value, the others a value
+    of 1: the output is the sum of those small weights, about 1e-3, which
+    fp16 weights without headroom would round to zero. One split, so that
+    every tile's weights are taken against the largest."""
+    query_len, heads, n = 4, 16, 65_536
+    values = torch.zeros(n, LATENT + 64, device=DEVICE)
+    values[1:, :LATENT] = 1.0 / K_SCALE
+    values[0, LATENT] = 448.0
+    stored = [values.to(FP8)]
+    cache, table = paged_cache(stored, 64)
+    config = _default_tiling_on(fused_verify, cache, query_len, heads, use_gluon)
+    q = torch.zeros(query_len, heads, LATENT + 64, device=DEVICE, dtype=BF16)
+    # 11.125 * 448 * K_SCALE * SM_SCALE = 17.99
+    q[..., LATENT] = 11.125
+    o, lse = _run(
+        fused_verify,
+        q,
+        cache,
+        table,
+        [n],
+        query_len=query_len,
+        num_kv_splits=1,
+        config=config,
+    )
+    _assert_matches(o, lse, *_reference(q, stored, query_len))
 
 
 @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])

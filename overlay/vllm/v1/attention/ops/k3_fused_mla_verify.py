@@ -792,17 +792,21 @@ def _gl_verify_split_kernel(
 def _gl_queries_to_fp16(q_lat_s, q_rope_s, LATENT: gl.constexpr):
     """Rewrite the 16-bit queries in shared memory (one warpgroup, each
     thread its own elements) as fp16 values times ``2^-e``, with ``e`` such
-    that the largest magnitude lands in [2^14, 2^15): exact for every value
-    down to 2^-24 of the largest (below that, fp16's subnormals round).
-    Returns ``2^e`` (1 when the largest is zero, subnormal, infinite or NaN:
-    then nothing is scaled)."""
-    amax = gl.max(gl.max(gl.abs(q_rope_s.load(_LD_ROPE).to(gl.float32)), 1), 0)
+    that the largest finite magnitude lands in [2^14, 2^15) (below 2^-112:
+    scaled by 2^126), exact for every value down to 2^-24 of it (below
+    that, fp16's subnormals round). Infinities and NaN stay what they are
+    and do not set ``e``; rows past the tile's queries hold zeros
+    (``_gl_copy_queries``). Returns ``2^e`` (1 when no finite value is
+    normal: nothing is scaled)."""
+    x = gl.abs(q_rope_s.load(_LD_ROPE).to(gl.float32))
+    amax = gl.max(gl.max(gl.where(x < float("inf"), x, 0.0), 1), 0)
     for c in gl.static_range(LATENT // _CHUNK_COLS):
         part = q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1)
         x = gl.abs(part.load(_LD_CHUNK).to(gl.float32))
+        x = gl.where(x < float("inf"), x, 0.0)
         amax = gl.maximum(amax, gl.max(gl.max(x, 1), 0))
     biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-    e = gl.where((biased > 0) & (biased < 255), biased - (127 + 14), 0)
+    e = gl.where(biased > 0, biased - (127 + 14), 0)
     # 2^-e stays a normal float32.
     e = gl.maximum(e, -126)
     down = ((127 - e) << 23).to(gl.float32, bitcast=True)
@@ -861,6 +865,10 @@ def _gl_softmax_partition(
     the kernel)."""
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = p_s.dtype
+    # fp16 P holds every weight times 2^15, so that weights down to 2^-39 of
+    # a row's largest stay normal fp16 numbers (bf16 needs no such room);
+    # the row sums carry the same factor, taken out of the LSE.
+    P_LOG2: gl.constexpr = 15.0 if p_s.dtype == gl.float16 else 0.0
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -958,6 +966,8 @@ def _gl_softmax_partition(
         # A row with nothing visible yet keeps m = -inf; subtract 0 instead.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
+        if P_LOG2 != 0.0:
+            m_safe = m_safe - P_LOG2
         p = gl.exp2(s - gl.expand_dims(m_safe, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
@@ -968,8 +978,11 @@ def _gl_softmax_partition(
         mbarrier.arrive(p_ready, count=1)
 
     seen = l_i != 0.0
+    log2_l = gl.log2(l_i)
+    if P_LOG2 != 0.0:
+        log2_l = log2_l - P_LOG2
     # Scores are in log2 units; ln(2) turns the LSE into natural log.
-    lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+    lse = gl.where(seen, (m_i + log2_l) * 0.6931471805599453, float("-inf"))
     offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
     t = offs_m // HEADS_PER_TILE
     head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
@@ -1086,7 +1099,9 @@ def _gl_copy_queries(
     LD: gl.constexpr,
 ):
     """Start copying the tile's folded query rows, columns ``col0 .. col0 +
-    WIDTH``, into ``dst`` (rows past the tile's queries are not read)."""
+    WIDTH``, into ``dst``; rows past the tile's queries are not read but
+    zero-filled (a masked ``cp.async`` copies no source bytes and fills its
+    destination with zeros), which ``_gl_queries_to_fp16`` relies on."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
     t = offs_m // HEADS_PER_TILE
     head = head_tile * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
