@@ -789,6 +789,14 @@ def _gl_verify_split_kernel(
 
 
 @gluon.jit
+def _gl_finite_abs_max(x):
+    """The largest finite magnitude in the 2-D tensor ``x`` (0 if none), as
+    float32."""
+    x = gl.abs(x.to(gl.float32))
+    return gl.max(gl.max(gl.where(x < float("inf"), x, 0.0), 1), 0)
+
+
+@gluon.jit
 def _gl_queries_to_fp16(q_lat_s, q_rope_s, LATENT: gl.constexpr):
     """Rewrite the 16-bit queries in shared memory (one warpgroup, each
     thread its own elements) as fp16 values times ``2^-e``, with ``e`` such
@@ -798,13 +806,10 @@ def _gl_queries_to_fp16(q_lat_s, q_rope_s, LATENT: gl.constexpr):
     and do not set ``e``; rows past the tile's queries hold zeros
     (``_gl_copy_queries``). Returns ``2^e`` (1 when no finite value is
     normal: nothing is scaled)."""
-    x = gl.abs(q_rope_s.load(_LD_ROPE).to(gl.float32))
-    amax = gl.max(gl.max(gl.where(x < float("inf"), x, 0.0), 1), 0)
+    amax = _gl_finite_abs_max(q_rope_s.load(_LD_ROPE))
     for c in gl.static_range(LATENT // _CHUNK_COLS):
         part = q_lat_s.slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1)
-        x = gl.abs(part.load(_LD_CHUNK).to(gl.float32))
-        x = gl.where(x < float("inf"), x, 0.0)
-        amax = gl.maximum(amax, gl.max(gl.max(x, 1), 0))
+        amax = gl.maximum(amax, _gl_finite_abs_max(part.load(_LD_CHUNK)))
     biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
     e = gl.where(biased > 0, biased - (127 + 14), 0)
     # 2^-e stays a normal float32.
@@ -903,7 +908,8 @@ def _gl_softmax_partition(
             # tile that has such rows: on every tile they cost as much as the
             # rest of the conversion). Both parts are loaded before either is
             # stored (one helper per part, store behind load, made the fp8
-            # cases 4-7% slower).
+            # cases 4-7% slower); each branch loads for itself (loaded above
+            # the branch, the tile stays live across it and spills).
             if n0 + BLOCK_N > end:
                 rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
                 rows_rope = n0 + gl.arange(
