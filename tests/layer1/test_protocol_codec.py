@@ -36,9 +36,22 @@ def test_header_without_op_string_is_refused(frame):
 
 
 @pytest.mark.parametrize(
-    "frame", [b"", b"\xff\xfe", b"{", b'{"protocol":2,"op":"PING"']
+    "frame",
+    [b"", b"\xff\xfe", b"{", b'{"protocol":2,"op":"PING"', b'{"protocol":2,"op":}'],
 )
 def test_header_that_is_not_utf8_json_is_refused(frame):
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+        protocol.decode_header(frame, 1024)
+
+
+def test_header_with_surrounding_whitespace_is_accepted():
+    frame = b' \n{"protocol":2,"op":"PING"}\r\n\t'
+    assert protocol.decode_header(frame, 1024) == {"protocol": 2, "op": "PING"}
+
+
+@pytest.mark.parametrize("tail", [b"x", b"{}", b' {"protocol":2,"op":"PING"}', b"\0"])
+def test_header_followed_by_more_data_is_refused(tail):
+    frame = b'{"protocol":2,"op":"PING"}' + tail
     with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
         protocol.decode_header(frame, 1024)
 

@@ -274,7 +274,13 @@ def decode_header(frame: Any, max_bytes: int) -> dict[str, Any]:
         raise ProtocolError(f"header has {view.nbytes} bytes, limit {max_bytes}")
     try:
         # Decoded here: json.loads of bytes would also take UTF-16 and UTF-32.
-        header = _DECODER.decode(bytes(view).decode("utf-8"))
+        text = str(view, "utf-8")
+        # An object that fills the frame (every header of this release) is
+        # decoded without the whitespace scans; anything else takes the whole
+        # decoder, which skips surrounding whitespace and refuses the rest.
+        header, end = _DECODER.raw_decode(text) if text[:1] == "{" else (None, -1)
+        if end != len(text):
+            header = _DECODER.decode(text)
     except ProtocolError:
         raise
     except (ValueError, RecursionError) as exc:
@@ -356,7 +362,8 @@ def frame_tensor(
         return torch.empty(tuple(shape), dtype=dtype)
     if view.readonly:
         view = memoryview(bytearray(view))
-    return torch.frombuffer(view, dtype=dtype).view(tuple(shape))
+    tensor = torch.frombuffer(view, dtype=dtype)
+    return tensor if len(shape) == 1 else tensor.view(tuple(shape))
 
 
 # ------------------------------------------------------ capability registry
