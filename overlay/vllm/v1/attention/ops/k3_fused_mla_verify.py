@@ -460,42 +460,27 @@ def _gl_first_page(bt_row, n0, end, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _gl_refill_after_pv(
-    it,
-    n0,
-    end,
-    lat_desc,
-    rope_desc,
-    bt_row,
-    kv_lat_s,
-    kv_rope_s,
-    full,
-    empty,
-    BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    LATENT: gl.constexpr,
-):
-    """fp8: wait until the P.V product of tile ``it - 1`` (at ``n0`` is tile
-    ``it``) is done, so that the converted tile and P are free, and start
-    copying tile ``it + NUM_BUF - 1`` into that tile's buffer."""
-    prev = (it - 1) % NUM_BUF
-    mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
-    nxt = n0 + (NUM_BUF - 1) * BLOCK_N
-    _gl_issue_tile(
-        lat_desc,
-        rope_desc,
-        bt_row,
-        _gl_first_page(bt_row, nxt, end, PAGE_SIZE),
-        nxt,
-        end,
-        full.index(prev),
-        kv_lat_s.index(prev),
-        kv_rope_s.index(prev),
-        BLOCK_N,
-        PAGE_SIZE,
-        LATENT,
-    )
+def _gl_convert_in_place(lat8, rope8, lat16, rope16, n0, end, BLOCK_N: gl.constexpr):
+    """Rewrite the fp8 tile at ``n0`` that landed in the first half of its
+    fp16 buffer (``lat8``, ``rope8``) as fp16 over the whole buffer
+    (``lat16``, ``rope16``), rows at tokens ``>= end`` zero. The whole tile
+    is read before any of it is written; the result is fenced for the
+    products. Selects only in a tile that has rows past the end: on every
+    tile they cost as much as the rest of the conversion."""
+    LD_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    a = lat8.load(LD_LAT)
+    r = rope8.load(_LD_ROPE)
+    _cta_barrier()
+    if n0 + BLOCK_N > end:
+        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
+        lat16.store(gl.where(gl.expand_dims(rows < end, 1), a.to(gl.float16), 0.0))
+        rows_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LD_ROPE))
+        rope16.store(gl.where(gl.expand_dims(rows_r < end, 1), r.to(gl.float16), 0.0))
+    else:
+        lat16.store(a.to(gl.float16))
+        rope16.store(r.to(gl.float16))
+    fence_async_shared()
+    _cta_barrier()
 
 
 @gluon.jit
@@ -546,15 +531,15 @@ def _gl_verify_split_kernel(
     factors over in shared memory. The other two form one 8-warp partition,
     each warpgroup holding half of the 512 output columns, and run the P.V
     product, so the score product of tile i overlaps the P.V product of tile
-    i-1. A 16-bit tile's buffer is refilled by the P.V partition as soon as
-    its product is done (up to ``NUM_BUF`` copies in flight); an fp8 tile is
-    converted to fp16 in shared memory by the first partition (exact: one
-    conversion per pair of values, where bf16 takes three), which then
-    refills its buffer; the products then run in fp16, the queries
-    rewritten as fp16 once (``_gl_queries_to_fp16``) and P stored as fp16;
-    ``k_scale`` scales the scores and the output. mbarriers: ``full[b]``
-    (tile landed), ``empty[b]`` (P.V of the tile in buffer b done: P, and for
-    fp8 the converted tile, are free), ``p_ready``, ``l_ready``.
+    i-1. A tile's buffer is refilled by the P.V partition as soon as its
+    product is done (up to ``NUM_BUF`` copies in flight). An fp8 tile lands
+    in the first half of the fp16 buffer that the first partition rewrites
+    it into, in place (exact: one conversion per pair of values, where bf16
+    takes three); the products then run in fp16, the queries rewritten as
+    fp16 once (``_gl_queries_to_fp16``) and P stored as fp16; ``k_scale``
+    scales the scores and the output. mbarriers: ``full[b]`` (tile landed),
+    ``empty[b]`` (P.V of the tile in buffer b done: P and the buffer are
+    free), ``p_ready``, ``l_ready``.
     """
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = q_ptr.dtype.element_ty
@@ -634,12 +619,36 @@ def _gl_verify_split_kernel(
     end = gl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
-    kv_lat_s = gl.allocate_shared_memory(
-        KV_DT, [NUM_BUF, BLOCK_N, LATENT], kv_lat_desc.layout
-    )
-    kv_rope_s = gl.allocate_shared_memory(
-        KV_DT, [NUM_BUF, BLOCK_N, ROPE], kv_rope_desc.layout
-    )
+    if IS_FP8:
+        # Each fp8 tile lands in the fp16 buffer it is converted into, in
+        # place (all of it read before any of it is written).
+        k16_lat = gl.allocate_shared_memory(
+            MMA_DT,
+            [NUM_BUF, BLOCK_N, LATENT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], MMA_DT),
+        )
+        k16_rope = gl.allocate_shared_memory(
+            MMA_DT,
+            [NUM_BUF, BLOCK_N, ROPE],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_DT),
+        )
+        # Each buffer's first BLOCK_N rows of the fp8 view: the tile lands
+        # there.
+        kv_lat_s = k16_lat._reinterpret(
+            KV_DT, [NUM_BUF, 2 * BLOCK_N, LATENT], kv_lat_desc.layout
+        )
+        kv_rope_s = k16_rope._reinterpret(
+            KV_DT, [NUM_BUF, 2 * BLOCK_N, ROPE], kv_rope_desc.layout
+        )
+    else:
+        kv_lat_s = gl.allocate_shared_memory(
+            KV_DT, [NUM_BUF, BLOCK_N, LATENT], kv_lat_desc.layout
+        )
+        kv_rope_s = gl.allocate_shared_memory(
+            KV_DT, [NUM_BUF, BLOCK_N, ROPE], kv_rope_desc.layout
+        )
+        k16_lat = kv_lat_s
+        k16_rope = kv_rope_s
     full = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -649,21 +658,6 @@ def _gl_verify_split_kernel(
         mbarrier.init(empty.index(j), count=1)
     mbarrier.init(p_ready, count=1)
     mbarrier.init(l_ready, count=1)
-    if IS_FP8:
-        # The tile in fp16, for the products.
-        k16_lat = gl.allocate_shared_memory(
-            MMA_DT,
-            [BLOCK_N, LATENT],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], MMA_DT),
-        )
-        k16_rope = gl.allocate_shared_memory(
-            MMA_DT,
-            [BLOCK_N, ROPE],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_DT),
-        )
-    else:
-        k16_lat = kv_lat_s
-        k16_rope = kv_rope_s
     p_s = gl.allocate_shared_memory(
         MMA_DT,
         [BLOCK_M, BLOCK_N],
@@ -778,7 +772,6 @@ def _gl_verify_split_kernel(
                     HEADS_PER_TILE,
                     BLOCK_N,
                     NUM_BUF,
-                    IS_FP8,
                     LATENT,
                 ),
             ),
@@ -866,8 +859,8 @@ def _gl_softmax_partition(
     LATENT: gl.constexpr,
     ROPE: gl.constexpr,
 ):
-    """Score products, softmax, and fp8 tiles' conversion and copies (see
-    the kernel)."""
+    """Score products, softmax, and fp8 tiles' conversion (see the
+    kernel)."""
     BLOCK_M: gl.constexpr = 64
     DT: gl.constexpr = p_s.dtype
     # fp16 P holds every weight times 2^15, so that weights down to 2^-39 of
@@ -878,7 +871,6 @@ def _gl_softmax_partition(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    LD_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
     for it in range(num_tiles):
@@ -886,82 +878,45 @@ def _gl_softmax_partition(
         n0 = start + it * BLOCK_N
         mbarrier.wait(full.index(buf), (it // NUM_BUF) & 1)
         if IS_FP8:
-            if it > 0:
-                # The converted tile of tile it-1 is free too.
-                _gl_refill_after_pv(
-                    it,
-                    n0,
+            # The tile landed as fp8 in its fp16 buffer: rewritten as fp16,
+            # rows past the end zero.
+            _gl_convert_in_place(
+                kv_lat_s.index(buf).slice(0, BLOCK_N),
+                kv_rope_s.index(buf).slice(0, BLOCK_N),
+                k16_lat.index(buf),
+                k16_rope.index(buf),
+                n0,
+                end,
+                BLOCK_N,
+            )
+        # The score product of tile it runs while the P.V products of tile
+        # it-1 end.
+        s_tok = warpgroup_mma(
+            q_lat_s,
+            k16_lat.index(buf).permute((1, 0)),
+            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
+            use_acc=False,
+            is_async=True,
+        )
+        s_tok = warpgroup_mma(
+            q_rope_s, k16_rope.index(buf).permute((1, 0)), s_tok, is_async=True
+        )
+        if it > 0:
+            # P is free once the P.V products of tile it-1 are done.
+            prev = (it - 1) % NUM_BUF
+            mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        if not IS_FP8 and n0 + BLOCK_N > end:
+            # TMA copies whole rows: what the cache holds past the end (even
+            # NaN) must not reach the P.V products.
+            for c in gl.static_range(LATENT // _CHUNK_COLS):
+                _gl_zero_rows_from(
+                    k16_lat.index(buf).slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1),
                     end,
-                    kv_lat_desc,
-                    kv_rope_desc,
-                    bt_row,
-                    kv_lat_s,
-                    kv_rope_s,
-                    full,
-                    empty,
+                    n0,
+                    _LD_CHUNK,
                     BLOCK_N,
-                    NUM_BUF,
-                    PAGE_SIZE,
-                    LATENT,
                 )
-            # The tile in fp16, rows past the end zero (selects only in a
-            # tile that has such rows: on every tile they cost as much as the
-            # rest of the conversion). Both parts are loaded before either is
-            # stored (one helper per part, store behind load, made the fp8
-            # cases 4-7% slower); each branch loads for itself (loaded above
-            # the branch, the tile stays live across it and spills).
-            if n0 + BLOCK_N > end:
-                rows_lat = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_LAT))
-                rows_rope = n0 + gl.arange(
-                    0, BLOCK_N, layout=gl.SliceLayout(1, _LD_ROPE)
-                )
-                lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
-                rope = kv_rope_s.index(buf).load(_LD_ROPE).to(DT)
-                k16_lat.store(gl.where(gl.expand_dims(rows_lat < end, 1), lat, 0.0))
-                k16_rope.store(gl.where(gl.expand_dims(rows_rope < end, 1), rope, 0.0))
-            else:
-                lat = kv_lat_s.index(buf).load(LD_LAT).to(DT)
-                rope = kv_rope_s.index(buf).load(_LD_ROPE).to(DT)
-                k16_lat.store(lat)
-                k16_rope.store(rope)
-            fence_async_shared()
-            _cta_barrier()
-            s = warpgroup_mma(
-                q_lat_s,
-                k16_lat.permute((1, 0)),
-                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
-                use_acc=False,
-            )
-            s = warpgroup_mma(q_rope_s, k16_rope.permute((1, 0)), s)
-        else:
-            # The score product of tile it runs while the P.V products of
-            # tile it-1 end.
-            s_tok = warpgroup_mma(
-                q_lat_s,
-                kv_lat_s.index(buf).permute((1, 0)),
-                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L),
-                use_acc=False,
-                is_async=True,
-            )
-            s_tok = warpgroup_mma(
-                q_rope_s, kv_rope_s.index(buf).permute((1, 0)), s_tok, is_async=True
-            )
-            if it > 0:
-                # P is free once the P.V products of tile it-1 are done.
-                prev = (it - 1) % NUM_BUF
-                mbarrier.wait(empty.index(prev), ((it - 1) // NUM_BUF) & 1)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            if n0 + BLOCK_N > end:
-                # TMA copies whole rows: what the cache holds past the end
-                # (even NaN) must not reach the P.V products.
-                for c in gl.static_range(LATENT // _CHUNK_COLS):
-                    _gl_zero_rows_from(
-                        kv_lat_s.index(buf).slice(c * _CHUNK_COLS, _CHUNK_COLS, dim=1),
-                        end,
-                        n0,
-                        _LD_CHUNK,
-                        BLOCK_N,
-                    )
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         s = gl.where(
             gl.expand_dims(offs_n, 0) < gl.expand_dims(local, 1),
@@ -1029,10 +984,9 @@ def _gl_pv_partition(
     HEADS_PER_TILE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr,
-    IS_FP8: gl.constexpr,
     LATENT: gl.constexpr,
 ):
-    """P.V products, the refill of 16-bit tiles' buffers and the partial
+    """P.V products, the refill of the tiles' buffers and the partial
     output; each of the partition's two warpgroups holds half of the 512
     output columns (see the kernel)."""
     BLOCK_M: gl.constexpr = 64
@@ -1044,31 +998,28 @@ def _gl_pv_partition(
     for it in range(num_tiles):
         buf = it % NUM_BUF
         nxt = start + (it + NUM_BUF) * BLOCK_N
-        if not IS_FP8:
-            # Loaded ahead: the copy of tile it + NUM_BUF starts right after
-            # the product without waiting for the block table.
-            page = _gl_first_page(bt_row, nxt, end, PAGE_SIZE)
+        # Loaded ahead: the copy of tile it + NUM_BUF starts right after
+        # the product without waiting for the block table.
+        page = _gl_first_page(bt_row, nxt, end, PAGE_SIZE)
         mbarrier.wait(p_ready, it & 1)
         acc = acc * gl.expand_dims(alpha_s.load(ROW_O), 1)
-        v = k16_lat if IS_FP8 else kv_lat_s.index(buf)
-        acc = warpgroup_mma(p_s, v, acc)
+        acc = warpgroup_mma(p_s, k16_lat.index(buf), acc)
         _cta_barrier()
-        if not IS_FP8:
-            # The buffer is free: its next tile's copy starts now.
-            _gl_issue_tile(
-                kv_lat_desc,
-                kv_rope_desc,
-                bt_row,
-                page,
-                nxt,
-                end,
-                full.index(buf),
-                kv_lat_s.index(buf),
-                kv_rope_s.index(buf),
-                BLOCK_N,
-                PAGE_SIZE,
-                LATENT,
-            )
+        # The buffer is free: its next tile's copy starts now.
+        _gl_issue_tile(
+            kv_lat_desc,
+            kv_rope_desc,
+            bt_row,
+            page,
+            nxt,
+            end,
+            full.index(buf),
+            kv_lat_s.index(buf),
+            kv_rope_s.index(buf),
+            BLOCK_N,
+            PAGE_SIZE,
+            LATENT,
+        )
         mbarrier.arrive(empty.index(buf), count=1)
 
     mbarrier.wait(l_ready, 0)
