@@ -703,9 +703,6 @@ def _gl_verify_split_kernel(
             (
                 _gl_softmax_partition,
                 (
-                    kv_lat_desc,
-                    kv_rope_desc,
-                    bt_row,
                     q_lat_s,
                     q_rope_s,
                     kv_lat_s,
@@ -731,14 +728,11 @@ def _gl_verify_split_kernel(
                     head_tile,
                     split,
                     num_splits,
-                    QUERY_LEN,
                     HEADS_PER_TILE,
                     BLOCK_N,
                     NUM_BUF,
-                    PAGE_SIZE,
                     IS_FP8,
                     LATENT,
-                    ROPE,
                 ),
             ),
             (
@@ -822,9 +816,6 @@ def _gl_queries_to_fp16(q_lat_s, q_rope_s, LATENT: gl.constexpr):
 
 @gluon.jit
 def _gl_softmax_partition(
-    kv_lat_desc,
-    kv_rope_desc,
-    bt_row,
     q_lat_s,
     q_rope_s,
     kv_lat_s,
@@ -850,14 +841,11 @@ def _gl_softmax_partition(
     head_tile,
     split,
     num_splits,
-    QUERY_LEN: gl.constexpr,
     HEADS_PER_TILE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
     IS_FP8: gl.constexpr,
     LATENT: gl.constexpr,
-    ROPE: gl.constexpr,
 ):
     """Score products, softmax, and fp8 tiles' conversion (see the
     kernel)."""
