@@ -17,9 +17,12 @@ Reported per case: milliseconds, speedup, unique-KV bandwidth
 (batch x context x 576 x bytes per element over the time), that bandwidth as
 a share of the device-to-device copy bandwidth measured in the same run (the
 copy counts bytes read plus bytes written, so 100% means reading the KV once
-as fast as a copy moves bytes), and the useful attention FLOP/s as a share of
-a bf16 matmul measured in the same run. ``--sweep`` also times alternative
-tilings of the fused kernel on the target cases.
+as fast as a copy moves bytes), the useful attention FLOP/s as a share of
+a bf16 matmul measured in the same run, and the ceiling of the copy share:
+what the case would reach if its useful FLOPs ran at that matmul's rate and
+nothing else took time (below 100% where the products, not the bytes, bound
+the case). ``--sweep`` also times alternative tilings of the fused kernel on
+the target cases.
 
 Usage::
 
@@ -126,6 +129,16 @@ class Workload:
 
     def kv_bytes(self) -> int:
         return self.batch * self.context * 576 * self.cache.element_size()
+
+
+def copy_share_ceiling(
+    kv_bytes: int, flops: float, copy_gbps: float, matmul_tflops: float
+) -> float:
+    """Largest share of the copy bandwidth, in percent, that reading
+    ``kv_bytes`` once allows when ``flops`` run at ``matmul_tflops``: 100
+    where the copy takes longer than the products."""
+    copy_ms = kv_bytes / copy_gbps / 1e6
+    return 100 * copy_ms / max(copy_ms, flops / matmul_tflops / 1e9)
 
 
 def fused_launcher(
@@ -240,6 +253,8 @@ def run_case(
                 "fused_kv_gbps": work.kv_bytes() / fused_ms / 1e6,
                 "unfused_kv_gbps": work.kv_bytes() / unfused_ms / 1e6,
                 "fused_tflops": flops / fused_ms / 1e9,
+                "kv_bytes": work.kv_bytes(),
+                "useful_flops": flops,
                 "rel_diff_vs_unfused": diff,
             }
         )
@@ -295,16 +310,21 @@ def _versions() -> dict:
 def _table(rows: list[dict], copy_gbps: float, matmul_tflops: float) -> str:
     lines = [
         "| B | ctx | qlen | heads | kv | fused ms | unfused ms | speedup | "
-        "fused GB/s | % copy | fused TFLOP/s | % matmul |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "fused GB/s | % copy | fused TFLOP/s | % matmul | ceiling % copy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
     ]
     for r in rows:
+        ceiling = copy_share_ceiling(
+            r["kv_bytes"], r["useful_flops"], copy_gbps, matmul_tflops
+        )
         lines.append(
             f"| {r['batch']} | {r['context'] // KiB}K | {r['query_len']} | "
             f"{r['heads']} | {r['kv_dtype']} | {r['fused_ms']:.3f} | "
             f"{r['unfused_ms']:.3f} | {r['speedup']:.2f} | "
             f"{r['fused_kv_gbps']:.0f} | {100 * r['fused_kv_gbps'] / copy_gbps:.0f} | "
-            f"{r['fused_tflops']:.0f} | {100 * r['fused_tflops'] / matmul_tflops:.0f} |"
+            f"{r['fused_tflops']:.0f} | "
+            f"{100 * r['fused_tflops'] / matmul_tflops:.0f} | {ceiling:.0f} |"
         )
     return "\n".join(lines)
 
