@@ -264,15 +264,19 @@ def run_case(
 def _cases() -> list[tuple[int, int, torch.dtype, list[tuple[int, int]]]]:
     """(batch, context, kv dtype, [(query_len, heads), ...]) to run: every
     batch x context with query_len 2/4/8 at 16 heads and 4 at 128 heads (also
-    2 and 8 at batch 8 from 32K), and an fp8 KV cache at batch 8, 32K."""
+    2 and 8 at batch 8 from 32K), query_len 4 at 12 heads where the targets
+    apply (batch 8 and up, context 32K and up), and an fp8 KV cache at batch
+    8, 32K."""
     cases = []
     for batch in [1, 8, 32]:
         for context in [4 * KiB, 32 * KiB, 128 * KiB]:
             shapes = [(query_len, 16) for query_len in (2, 4, 8)]
+            if batch >= 8 and context >= 32 * KiB:
+                shapes.append((4, 12))
             qlens_128 = (2, 4, 8) if batch == 8 and context >= 32 * KiB else (4,)
             shapes += [(query_len, 128) for query_len in qlens_128]
             cases.append((batch, context, BF16, shapes))
-    cases.append((8, 32 * KiB, FP8, [(4, 16), (4, 128)]))
+    cases.append((8, 32 * KiB, FP8, [(4, 16), (4, 12), (4, 128)]))
     return cases
 
 
