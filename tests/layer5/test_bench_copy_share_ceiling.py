@@ -4,24 +4,19 @@
 reading the KV takes longer than the useful products at the matmul's rate,
 the ratio of the two times where the products take longer."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from k3_standalone import REPO_ROOT, load_module
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = REPO_ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
 def copy_share_ceiling():
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCH))
-        spec = importlib.util.spec_from_file_location(
-            "bench_fused_mla_verify", BENCH / "bench_fused_mla_verify.py"
+        module = load_module(
+            BENCH / "bench_fused_mla_verify.py", "_bench_fused_mla_verify"
         )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
     return module.copy_share_ceiling
 
 
