@@ -11,9 +11,15 @@ engine's call: what the protocol's Python costs right after an engine step
 (several times its cost in a warm loop). The wrappers add about a microsecond
 per phase.
 
+``--engine-at-once`` replaces the engine's ``propose`` by one that returns the
+same tokens at once: no engine step runs between two PROPOSEs, so the phases
+are the server's own work in a warm loop, the least its Python costs on this
+machine.
+
 Usage::
 
-    python bench/bench_server_phases.py --batch 8 [--device cuda] [--out phases.json]
+    python bench/bench_server_phases.py --batch 8 [--device cuda] [--engine-at-once]
+        [--out phases.json]
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_remote_rpc import SMALL_MODEL, WIDTH, Case
+from bench_remote_rpc import ENGINE_TIMINGS, SMALL_MODEL, WIDTH, Case, K
 from cli_types import non_negative_int, output_file, positive_int
 
 from vllm.entrypoints import k3_dspark_standalone as standalone
 from vllm.k3_draft import server as server_module
 from vllm.k3_draft import validation
+from vllm.k3_draft.engine import ProposeOutput
 from vllm.k3_draft.protocol import load_capability_plugins
 
 
@@ -56,6 +63,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=100)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--engine-at-once",
+        action="store_true",
+        help="the engine returns the same tokens at once (the server's work, warm)",
+    )
+    parser.add_argument(
         "--out", type=output_file, help="write the p50 per phase as JSON here"
     )
     args = parser.parse_args()
@@ -73,6 +85,13 @@ def main() -> None:
     engine = standalone.build_engine(server_args)
     engine.load()
     load_capability_plugins()
+    if args.engine_at_once:
+        output = ProposeOutput(
+            torch.zeros(args.batch, K, dtype=torch.int64),
+            None,
+            dict.fromkeys(ENGINE_TIMINGS, 0.0),
+        )
+        engine.propose = lambda batch: output  # type: ignore[method-assign]
     server = server_module.DraftServer(engine)
     spent: dict[str, float] = {}
     timed(server_module, "decode_header", "decode", spent)
@@ -100,11 +119,20 @@ def main() -> None:
             for label, seconds in spent.items():
                 samples.setdefault(label, []).append(seconds * 1e6)
     p50 = {label: float(np.percentile(v, 50)) for label, v in samples.items()}
-    print(f"batch {args.batch}, device {args.device}, p50 us over {args.iters}")
+    engine_name = "at once" if args.engine_at_once else "reference"
+    print(
+        f"batch {args.batch}, device {args.device}, engine {engine_name}, "
+        f"p50 us over {args.iters}"
+    )
     for label, value in p50.items():
         print(f"  {label:<16} {value:9.1f}")
     if args.out:
-        meta = {"batch": args.batch, "device": args.device, "iters": args.iters}
+        meta = {
+            "batch": args.batch,
+            "device": args.device,
+            "engine_at_once": args.engine_at_once,
+            "iters": args.iters,
+        }
         with open(args.out, "w") as out:
             json.dump({"meta": meta, "p50_us": p50}, out, indent=2)
 

@@ -98,6 +98,22 @@ def test_a_curve_run_measures_the_server_and_the_raw_echo_over_curve(tmp_path):
     assert [case["case"] for case in report["results"]] == cases
 
 
+def test_the_server_phases_with_an_engine_at_once_time_every_phase(tmp_path):
+    out = tmp_path / "out.json"
+    result = _run(
+        "bench_server_phases.py",
+        *("--engine-at-once", "--iters", "3", "--warmup", "0", "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["meta"]["engine_at_once"] is True
+    assert set(report["p50_us"]) == {
+        *("decode", "entries", "frame tensors", "positions", "parse (all)"),
+        *("table checks", "apply", "engine", "reply header", "handle"),
+        "outside_engine",
+    }
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the server refuses no CUDA")
 def test_the_draft_servers_refusal_is_one_line_and_exit_1(tmp_path):
     out = tmp_path / "out.json"
