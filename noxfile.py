@@ -139,6 +139,7 @@ def gpu(session: nox.Session) -> None:
 BENCHMARKS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "remote_rpc": (False, ()),
     "draft_logits": (False, ()),
+    "propose_legs": (False, ()),
     "client_plan": (False, ()),
     "server_phases": (False, ()),
     "draft_server_gpu": (True, ()),

@@ -109,7 +109,11 @@ def start_server(
     context_width: int = 8,
     context_rows: int = 0,
     curve: CurveCertificates | None = None,
+    stamps: str | None = None,
 ) -> subprocess.Popen:
+    """The table server on ``address``, once it serves; with ``stamps``, it
+    records where each request's time goes into that file when terminated
+    (``k3_l2_engines.record_stamps``)."""
     command = [
         sys.executable,
         str(ENGINES / "k3_l2_engines.py"),
@@ -124,6 +128,7 @@ def start_server(
         *("--context-width", str(context_width)),
         *("--max-context-tokens", str(max(16, context_rows * max(BATCHES)))),
         *(curve.server_flags if curve else ()),
+        *(("--stamps", stamps) if stamps else ()),
     ]
     # One engine thread: idle OpenMP workers would spin against the client.
     env = dict(os.environ, OMP_NUM_THREADS="1")

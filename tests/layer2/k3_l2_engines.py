@@ -11,15 +11,24 @@ logits of the Kimi vocabulary. It keeps no context state.
 ``LoopbackServer`` runs layer 1's ``DraftServer`` and ``RpcTransport`` (real
 ZeroMQ on a loopback TCP port) around an engine in a thread of this process;
 ``python k3_l2_engines.py --address ADDR ...`` serves a ``TableEngine`` in a
-process of its own (the benchmark's server).
+process of its own (the benchmark's server); with ``--stamps FILE`` it records
+where each request's time goes (``record_stamps``) for
+``bench/bench_propose_legs.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import zmq
 
 from vllm.entrypoints.k3_dspark_rpc import RpcTransport
 from vllm.k3_draft.engine import (
@@ -35,6 +44,16 @@ from vllm.k3_draft.protocol import load_capability_plugins
 from vllm.k3_draft.security import CurveConfig
 from vllm.k3_draft.server import DraftServer
 
+# Fields of one request's row of ``record_stamps``, in order.
+STAMP_FIELDS = (
+    "received",
+    "handle_start",
+    "handle_end",
+    "sent",
+    "engine_s",
+    "build_s",
+    "wait_s",
+)
 CONTEXT_WIDTH = 8
 # Anchor batches whose outputs ``TableEngine`` keeps.
 KEPT_BATCHES = 4
@@ -158,6 +177,88 @@ class LoopbackServer:
         self.transport.close()
 
 
+def record_stamps(path: str) -> None:
+    """Record, for every request this process serves, ``STAMP_FIELDS``:
+    ``perf_counter`` times where the transport's receive returned, where
+    ``DraftServer.handle`` started and ended and where the reply's send
+    returned, and the seconds spent in the engine's ``propose`` and in the
+    draft-logits extension's ``build_reply`` and ``wait_frames``. The rows
+    are written to ``path`` as JSON when the process gets SIGTERM, and the
+    process exits. Wraps the classes' methods: call before serving."""
+    from vllm.k3_draft.capabilities.draft_logits import DraftLogitsReply
+
+    rows: list[list[float]] = []
+    current: dict[str, float] = {}
+
+    receive = RpcTransport._receive
+
+    def stamped_receive(*args: Any, **kwargs: Any) -> Any:
+        frames = receive(*args, **kwargs)
+        current["received"] = time.perf_counter()
+        return frames
+
+    def add_seconds(owner: Any, name: str, field: str) -> None:
+        function: Callable[..., Any] = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                current[field] = current.get(field, 0.0) + seconds
+
+        setattr(owner, name, wrapper)
+
+    handle = DraftServer.handle
+
+    def stamped_handle(self: DraftServer, frames: Any) -> list[Any]:
+        current["handle_start"] = time.perf_counter()
+        try:
+            return handle(self, frames)
+        finally:
+            current["handle_end"] = time.perf_counter()
+
+    # The serve loop sends a one-frame reply with send, others with
+    # send_multipart, which calls send per frame.
+    send, send_multipart = zmq.Socket.send, zmq.Socket.send_multipart
+    nested = threading.local()
+
+    def sent() -> None:
+        current["sent"] = time.perf_counter()
+        rows.append([current.pop(field, 0.0) for field in STAMP_FIELDS])
+
+    def stamped_send(self: zmq.Socket, *args: Any, **kwargs: Any) -> Any:
+        result = send(self, *args, **kwargs)
+        if not getattr(nested, "multipart", False):
+            sent()
+        return result
+
+    def stamped_send_multipart(self: zmq.Socket, *args: Any, **kwargs: Any) -> Any:
+        nested.multipart = True
+        try:
+            result = send_multipart(self, *args, **kwargs)
+        finally:
+            nested.multipart = False
+        sent()
+        return result
+
+    setattr(RpcTransport, "_receive", staticmethod(stamped_receive))  # noqa: B010
+    DraftServer.handle = stamped_handle  # type: ignore[method-assign]
+    setattr(zmq.Socket, "send", stamped_send)  # noqa: B010
+    setattr(zmq.Socket, "send_multipart", stamped_send_multipart)  # noqa: B010
+    add_seconds(TableEngine, "propose", "engine_s")
+    add_seconds(DraftLogitsReply, "build_reply", "build_s")
+    add_seconds(DraftLogitsReply, "wait_frames", "wait_s")
+
+    def write_and_exit(signum: int, frame: Any) -> None:
+        with open(path, "w") as out:
+            json.dump(rows, out)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, write_and_exit)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--address", required=True)
@@ -171,7 +272,12 @@ def main() -> None:
     parser.add_argument("--max-context-tokens", type=int, default=16)
     parser.add_argument("--curve-secret-key", help="serve CurveZMQ with this key")
     parser.add_argument("--curve-authorized-keys", help="and these clients")
+    parser.add_argument(
+        "--stamps", help="record where each request's time goes (record_stamps)"
+    )
     args = parser.parse_args()
+    if args.stamps:
+        record_stamps(args.stamps)
     table = torch.load(args.table)
     limits = table_limits(
         args.max_batch_size,
