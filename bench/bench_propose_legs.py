@@ -17,10 +17,12 @@ iterations, microseconds:
 - ``handle``, and within it ``engine`` (the engine's ``propose``),
   ``build`` and ``wait`` (the draft-logits extension's ``build_reply`` and
   ``wait_frames``);
-- ``send``: the end of ``handle`` until the reply's send returns;
-- ``reply``: until the client's receive returns;
+- ``until_send``: until the server's send of the reply starts;
+- ``reply``: until the client's receive returns, and within it
+  ``send_call``, the server's send call (the client may have the reply
+  before that call returns);
 - ``decode``: until the reply's header is decoded and checked;
-- ``rtt``: the whole call.
+- ``rtt``: the whole call, the sum of the legs not within another.
 
 Each wrapper adds a call and a clock read. The client checks each reply's
 header but does not stage the logits (``bench_draft_logits.py
@@ -69,8 +71,9 @@ LEGS = (
     "engine",
     "build",
     "wait",
-    "send",
+    "until_send",
     "reply",
+    "send_call",
     "decode",
     "rtt",
 )
@@ -88,8 +91,9 @@ def legs_of(client: list[float], server: list[float]) -> dict[str, float]:
         "engine": stamps["engine_s"],
         "build": stamps["build_s"],
         "wait": stamps["wait_s"],
-        "send": stamps["sent"] - stamps["handle_end"],
-        "reply": received - stamps["sent"],
+        "until_send": stamps["send_start"] - stamps["handle_end"],
+        "reply": received - stamps["send_start"],
+        "send_call": stamps["send_end"] - stamps["send_start"],
         "decode": decoded - received,
         "rtt": decoded - start,
     }

@@ -49,7 +49,8 @@ STAMP_FIELDS = (
     "received",
     "handle_start",
     "handle_end",
-    "sent",
+    "send_start",
+    "send_end",
     "engine_s",
     "build_s",
     "wait_s",
@@ -181,10 +182,11 @@ def record_stamps(path: str) -> None:
     """Record, for every request this process serves, ``STAMP_FIELDS``:
     ``perf_counter`` times where the transport's receive returned, where
     ``DraftServer.handle`` started and ended and where the reply's send
-    returned, and the seconds spent in the engine's ``propose`` and in the
-    draft-logits extension's ``build_reply`` and ``wait_frames``. The rows
-    are written to ``path`` as JSON when the process gets SIGTERM, and the
-    process exits. Wraps the classes' methods: call before serving."""
+    started and returned, and the seconds spent in the engine's
+    ``propose`` and in the draft-logits extension's ``build_reply`` and
+    ``wait_frames``. The rows are written to ``path`` as JSON when the
+    process gets SIGTERM, and the process exits. Wraps the classes'
+    methods: call before serving."""
     from vllm.k3_draft.capabilities.draft_logits import DraftLogitsReply
 
     rows: list[list[float]] = []
@@ -220,27 +222,35 @@ def record_stamps(path: str) -> None:
             current["handle_end"] = time.perf_counter()
 
     # The serve loop sends a one-frame reply with send, others with
-    # send_multipart, which calls send per frame.
+    # send_multipart, which calls send per frame. The client may have the
+    # reply before its row is kept: SIGTERM's handler waits for the row.
     send, send_multipart = zmq.Socket.send, zmq.Socket.send_multipart
     nested = threading.local()
+    sending = threading.Lock()
 
-    def sent() -> None:
-        current["sent"] = time.perf_counter()
+    def sent(start: float) -> None:
+        current["send_end"] = time.perf_counter()
+        current["send_start"] = start
         rows.append([current.pop(field, 0.0) for field in STAMP_FIELDS])
 
     def stamped_send(self: zmq.Socket, *args: Any, **kwargs: Any) -> Any:
-        result = send(self, *args, **kwargs)
-        if not getattr(nested, "multipart", False):
-            sent()
+        if getattr(nested, "multipart", False):
+            return send(self, *args, **kwargs)
+        with sending:
+            start = time.perf_counter()
+            result = send(self, *args, **kwargs)
+            sent(start)
         return result
 
     def stamped_send_multipart(self: zmq.Socket, *args: Any, **kwargs: Any) -> Any:
-        nested.multipart = True
-        try:
-            result = send_multipart(self, *args, **kwargs)
-        finally:
-            nested.multipart = False
-        sent()
+        with sending:
+            start = time.perf_counter()
+            nested.multipart = True
+            try:
+                result = send_multipart(self, *args, **kwargs)
+            finally:
+                nested.multipart = False
+            sent(start)
         return result
 
     setattr(RpcTransport, "_receive", staticmethod(stamped_receive))  # noqa: B010
@@ -252,7 +262,7 @@ def record_stamps(path: str) -> None:
     add_seconds(DraftLogitsReply, "wait_frames", "wait_s")
 
     def write_and_exit(signum: int, frame: Any) -> None:
-        with open(path, "w") as out:
+        with sending, open(path, "w") as out:
             json.dump(rows, out)
         os._exit(0)
 
