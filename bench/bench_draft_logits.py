@@ -350,26 +350,20 @@ def acceptance(seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run against the table server, shared with
+    ``bench_propose_legs.py``: iterations, the logits' device, the server's
+    busy poll, the context rows every PROPOSE carries, the reply timeout."""
     parser.add_argument("--iters", type=positive_int, default=200)
     parser.add_argument("--warmup", type=non_negative_int, default=20)
     parser.add_argument(
         "--device", type=device, default="cpu", help="the draft logits' device"
     )
     parser.add_argument(
-        "--no-consume",
-        action="store_true",
-        help="skip the client's staging (RemoteDraftLogits needs vllm)",
-    )
-    parser.add_argument(
         "--server-busy-poll-us",
         type=int_at_most(MAX_BUSY_POLL_US),
         default=0,
         help="the server's busy poll after each reply (microseconds)",
-    )
-    parser.add_argument(
-        "--out", type=output_file, help="write the results as JSON here"
     )
     parser.add_argument(
         "--context-rows",
@@ -390,6 +384,19 @@ def main() -> None:
         default=60.0,
         help="give up when the table server has not answered for this long "
         "(default: %(default)s)",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser)
+    parser.add_argument(
+        "--no-consume",
+        action="store_true",
+        help="skip the client's staging (RemoteDraftLogits needs vllm)",
+    )
+    parser.add_argument(
+        "--out", type=output_file, help="write the results as JSON here"
     )
     parser.add_argument(
         "--curve",

@@ -31,7 +31,7 @@ header but does not stage the logits (``bench_draft_logits.py
 Usage::
 
     python bench/bench_propose_legs.py --device cuda --server-busy-poll-us 2000 \\
-        [--batch 8] [--context-rows 1 --context-width 21504] [--out legs.json]
+        --context-rows 1 --context-width 21504 [--batch 8] [--out legs.json]
 """
 
 from __future__ import annotations
@@ -47,17 +47,18 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-from bench_draft_logits import BATCHES, ENGINES, TOPKS, VOCAB, Case, K, start_server
-from cli_types import (
-    device,
-    int_at_most,
-    non_negative_int,
-    output_file,
-    positive_int,
-    run,
+from bench_draft_logits import (
+    BATCHES,
+    ENGINES,
+    TOPKS,
+    VOCAB,
+    Case,
+    K,
+    add_run_arguments,
+    start_server,
 )
+from cli_types import output_file, run
 
-from vllm.entrypoints.k3_dspark_rpc import MAX_BUSY_POLL_US
 from vllm.k3_draft.client import DraftClient, TransportError
 
 sys.path.insert(0, str(ENGINES))
@@ -125,30 +126,7 @@ def stamp_client(client: DraftClient, calls: list[list[float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, choices=BATCHES, default=max(BATCHES))
-    parser.add_argument("--iters", type=positive_int, default=300)
-    parser.add_argument("--warmup", type=non_negative_int, default=30)
-    parser.add_argument(
-        "--device", type=device, default="cpu", help="the draft logits' device"
-    )
-    parser.add_argument(
-        "--server-busy-poll-us",
-        type=int_at_most(MAX_BUSY_POLL_US),
-        default=0,
-        help="the server's busy poll after each reply (microseconds)",
-    )
-    parser.add_argument(
-        "--context-rows",
-        type=non_negative_int,
-        default=1,
-        help="context rows per request in each PROPOSE (a decode step sends 1 "
-        "to K + 1)",
-    )
-    parser.add_argument(
-        "--context-width",
-        type=positive_int,
-        default=3 * 7168,
-        help="bf16 values per context row (default: Kimi DFlash's)",
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--out", type=output_file, help="write the results as JSON here"
     )
@@ -172,7 +150,7 @@ def main() -> None:
             args.context_rows,
             stamps=stamps_file,
         )
-        client = DraftClient(address, 60_000)
+        client = DraftClient(address, round(args.reply_timeout_s * 1e3))
         stamp_client(client, calls)
         try:
             cases = []
