@@ -101,19 +101,27 @@ class _OneRank:
         return tensor
 
 
+def seeded_table() -> torch.Tensor:
+    """The table's logits, the same draws every run: ``[max batch, K, V]``
+    bf16."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(max(BATCHES), K, VOCAB, generator=generator).bfloat16()
+
+
 def start_server(
-    table_path: str,
+    table: torch.Tensor,
+    scratch: str,
     address: str,
-    device: str,
-    busy_poll_us: int,
-    context_width: int = 8,
-    context_rows: int = 0,
+    args: argparse.Namespace,
     curve: CurveCertificates | None = None,
     stamps: str | None = None,
 ) -> subprocess.Popen:
-    """The table server on ``address``, once it serves; with ``stamps``, it
-    records where each request's time goes into that file when terminated
-    (``k3_l2_engines.record_stamps``)."""
+    """The table server of ``table`` (saved in the folder ``scratch``) on
+    ``address``, for a run of ``add_run_arguments``' options ``args``, once
+    it serves; with ``stamps``, it records where each request's time goes
+    into that file when terminated (``k3_l2_engines.record_stamps``)."""
+    table_path = os.path.join(scratch, "table.pt")
+    torch.save(table, table_path)
     command = [
         sys.executable,
         str(ENGINES / "k3_l2_engines.py"),
@@ -123,10 +131,10 @@ def start_server(
         table_path,
         "--max-batch-size",
         str(max(BATCHES)),
-        *("--device", device),
-        *("--busy-poll-us", str(busy_poll_us)),
-        *("--context-width", str(context_width)),
-        *("--max-context-tokens", str(max(16, context_rows * max(BATCHES)))),
+        *("--device", args.device),
+        *("--busy-poll-us", str(args.server_busy_poll_us)),
+        *("--context-width", str(args.context_width)),
+        *("--max-context-tokens", str(max(16, args.context_rows * max(BATCHES)))),
         *(curve.server_flags if curve else ()),
         *(("--stamps", stamps) if stamps else ()),
     ]
@@ -405,22 +413,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    table = torch.randn(max(BATCHES), K, VOCAB, generator=generator).bfloat16()
+    table = seeded_table()
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     with tempfile.TemporaryDirectory() as scratch:
         curve = CurveCertificates(scratch) if args.curve else None
-        table_file = os.path.join(scratch, "table.pt")
-        torch.save(table, table_file)
-        server = start_server(
-            table_file,
-            address,
-            args.device,
-            args.server_busy_poll_us,
-            args.context_width,
-            args.context_rows,
-            curve,
-        )
+        server = start_server(table, scratch, address, args, curve)
     timeout_ms = round(args.reply_timeout_s * 1e3)
     client = DraftClient(address, timeout_ms, curve.client_keys if curve else None)
     try:

@@ -51,10 +51,9 @@ from bench_draft_logits import (
     BATCHES,
     ENGINES,
     TOPKS,
-    VOCAB,
     Case,
-    K,
     add_run_arguments,
+    seeded_table,
     start_server,
 )
 from cli_types import output_file, run
@@ -132,24 +131,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    table = torch.randn(max(BATCHES), K, VOCAB, generator=generator).bfloat16()
+    table = seeded_table()
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     calls: list[list[float]] = []
     names: list[str | None] = []
     with tempfile.TemporaryDirectory() as scratch:
-        table_file = os.path.join(scratch, "table.pt")
-        torch.save(table, table_file)
         stamps_file = os.path.join(scratch, "stamps.json")
-        server = start_server(
-            table_file,
-            address,
-            args.device,
-            args.server_busy_poll_us,
-            args.context_width,
-            args.context_rows,
-            stamps=stamps_file,
-        )
+        server = start_server(table, scratch, address, args, stamps=stamps_file)
         client = DraftClient(address, round(args.reply_timeout_s * 1e3))
         stamp_client(client, calls)
         try:
